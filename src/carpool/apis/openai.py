@@ -221,10 +221,7 @@ class CompletionApi(_Classic):
         cut = unfinished(prompt)
         if cut == 0:
             return None  # no sentence ends: all of it is continued
-        return prompt[:cut], {
-            **{k: v for k, v in body.items() if k != "prompt"},
-            "prompt": prompt[cut:],
-        }
+        return prompt[:cut], {**body, "prompt": prompt[cut:]}
 
 
 class EmbeddingApi(Api):

@@ -59,6 +59,7 @@ __all__ = [
     "MARKERS",
     "UNMARKED_SHARE",
     "reads_english",
+    "script",
 ]
 
 #: The share of a sentence's plain words that must be words of the vocabulary (measured on
@@ -83,7 +84,8 @@ MARKERS = frozenset(
     or but has have there here about any some every each get got make made after before into
     out up just very too then because while until something anything nothing everything
     someone anyone everyone nobody wrong right please thanks thank yes yeah like know think
-    tell give show write explain will was he's he'd he'll i'm i've i'd i'll you're you've we're they're it's that's
+    tell give show write explain will was he's he'd he'll i'm i've i'd i'll you're you've
+    we're they're it's that's
     what's there's here's who's how's let's don't doesn't didn't can't couldn't won't
     wouldn't isn't aren't wasn't weren't shouldn't haven't hasn't""".split()
 )
@@ -184,9 +186,14 @@ def _known_share(plain: list[str]) -> bool:
     # A marker says English where 1 or 2 words say too little ("It's improbable.").
     if len(plain) < MARKED_WORDS and any(map(_is_marker, plain)):
         return True
-    # Contractions' tails apart ("don't": "don" and "t"): the vocabulary splits them so too.
+    return _share(plain) >= KNOWN_SHARE
+
+
+def _share(plain: list[str]) -> float:
+    """The share of ``plain``'s words that are vocabulary words (1 if none), contractions'
+    tails apart ("don't": "don" and "t"): the vocabulary splits them so too."""
     words = [part for word in plain for part in word.split("'") if len(part) > 1]
-    return sum(map(_known, words)) >= KNOWN_SHARE * len(words)
+    return sum(map(_known, words)) / len(words) if words else 1.0
 
 
 def _is_marker(word: str) -> bool:
@@ -218,8 +225,7 @@ def _marked(sentence: str) -> bool:
         return True
     # No marker: an instruction's terse sentences ("Avoid speculation.", "Answer in two short
     # paragraphs, in plain English.") read as English when nearly every word is English.
-    parts = [part for word in plain for part in word.split("'") if len(part) > 1]
-    return sum(map(_known, parts)) >= UNMARKED_SHARE * len(parts)
+    return _share(plain) >= UNMARKED_SHARE
 
 
 def _known(word: str) -> bool:
@@ -253,10 +259,16 @@ def _foreign(word: str) -> bool:
     """Whether a word of 2 or more letters holds a letter outside the Latin script."""
     if len(word) < 2 or word.isascii():
         return False
-    return any(ch.isalpha() and not _latin(ch) for ch in word)
+    return any(ch.isalpha() and script(ch) != "LATIN" for ch in word)
 
 
 @functools.lru_cache(maxsize=4096)
-def _latin(ch: str) -> bool:
+def script(ch: str) -> str:
+    """A letter's script, from its Unicode name: "LATIN SMALL LETTER E WITH ACUTE" -> LATIN
+    (``semantic.scripts`` names them so: :func:`carpool.semantic.view.readable`)."""
     name = unicodedata.name(ch, "")
-    return name.startswith(("LATIN ", "FULLWIDTH LATIN", "MODIFIER LETTER SMALL"))
+    if name.startswith(("CJK ", "KANGXI")):
+        return "HAN"
+    if name.startswith(("FULLWIDTH LATIN", "MODIFIER LETTER SMALL")):
+        return "LATIN"
+    return name.split(" ", 1)[0]

@@ -20,7 +20,6 @@ exactly, never guessed at.
 
 from __future__ import annotations
 
-import functools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..canonical import canonical_body, collapses, digest, normalize_text
 from ..config import Config
 from ..request import Request
-from .english import reads_english
+from .english import reads_english, script
 from .retyping import UNREAD
 from .verifier import render_context
 
@@ -198,15 +197,4 @@ def readable(text: str, scripts: list[str]) -> bool:
     if text.isascii() or "*" in scripts:
         return True
     allowed = frozenset(name.upper() for name in scripts)
-    return all(_script(ch) in allowed for ch in set(text) if ch.isalpha())
-
-
-@functools.lru_cache(maxsize=4096)
-def _script(ch: str) -> str:
-    """A letter's script, from its Unicode name: "LATIN SMALL LETTER E WITH ACUTE" -> LATIN."""
-    name = unicodedata.name(ch, "")
-    if name.startswith(("CJK ", "KANGXI")):
-        return "HAN"
-    if name.startswith(("FULLWIDTH LATIN", "MODIFIER LETTER SMALL")):
-        return "LATIN"
-    return name.split(" ", 1)[0]
+    return all(script(ch) in allowed for ch in set(text) if ch.isalpha())

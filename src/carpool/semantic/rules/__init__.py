@@ -21,11 +21,12 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.entities`: names (capitalised words inside a sentence);
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
   the cat", "JSON to YAML" / "YAML to JSON"), a direction between phrases reversed ("from Google
-  Photos to iCloud", read by :mod:`.directions`) and roles exchanged through a pronoun ("My landlord is suing me" / "I am
-  suing my landlord");
+  Photos to iCloud", read by :mod:`.directions`) and roles exchanged through a pronoun ("My
+  landlord is suing me" / "I am suing my landlord");
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
   "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /
-  "undervalued", "exceed" / "fall short of", "still" / "no longer", "is happening" / "is no longer happening", "except"),
+  "undervalued", "exceed" / "fall short of", "still" / "no longer", "is happening" / "is no
+  longer happening", "except"),
   the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared

@@ -4,8 +4,9 @@ to Google Photos") is no exchange of two words: it is read as an ordered (source
 phrases, from "from X to Y" (or "into", "onto"; "off X", "out of X" as "from X") anywhere, from
 "X worth in Y" ("a euro worth in dollars") and from "X to Y" right after a verb of
 :data:`DIRECTED`, each phrase at most :data:`PHRASE` words of one clause, without its
-determiners, an "of" inside it read ("a list of dicts"), its plurals singular. The rule fires when one side has (X, Y) and the other (Y, X), and neither has both
-("a date to a timestamp and a timestamp to a date" asks both ways on either side).
+determiners, an "of" inside it read ("a list of dicts"), its plurals singular. The rule fires
+when one side has (X, Y) and the other (Y, X), and neither has both ("a date to a timestamp and
+a timestamp to a date" asks both ways on either side).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ PHRASE = 6
 _CLAUSE = re.compile(r"[,;:!?()\[\]\"]|\.(?!\w)")
 
 
+#: Endings of words whose final -s is no plural ("class", "status", "analysis").
+_NOT_S = ("ss", "us", "is")
+
+
 def _singular(word: str) -> str:
     """A plural's final -s dropped: "a euro ... in dollars" / "a dollar ... in euros"."""
     return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith(_NOT_S) else word
-
-
-_NOT_S = ("ss", "us", "is")
 
 
 def _phrase(words: tuple[str, ...]) -> tuple[str, ...] | None:

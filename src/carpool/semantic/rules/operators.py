@@ -15,9 +15,9 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
 
 Code outside backticks: "and", "or", "is", "is not", "in", "not in" between two names of code
 (a lower-case letter, an identifier with a digit or an underscore, None / True / False: "a and
-b" / "a or b"; not "C or C++", "K or H"), "not" before one ("not x"), "is not" / "is" before None / True / False ("is not None" /
-"!= None" read in their order), and parentheses around an operator ("not (x and y)" / "not x
-and y").
+b" / "a or b"; not "C or C++", "K or H"), "not" before one ("not x"), "is not" / "is" before
+None / True / False ("is not None" / "!= None" read in their order), and parentheses around an
+operator ("not (x and y)" / "not x and y").
 
 A hyphen inside a word ("e-mail"), a slash between words ("and/or") and sentence punctuation are
 no operators; arithmetic signs count only between digits or names.
