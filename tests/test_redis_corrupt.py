@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from carpool.redis.keys import ENTRY_ID
 from test_distributed import gateways
 from test_redis_full import raw
 
@@ -100,6 +101,50 @@ async def test_an_invalidation_passes_over_a_value_it_cannot_read(
         assert by_tag.status_code == 200
         assert [key async for key in client.scan_iter(match="carpool:e:*")] == []
         assert a.gateway.redis_health()["state"] == "up"
+
+
+SELECTORS = {  # the request's headers, its prompt, the invalidation, its index's key pattern
+    "tag": ({"x-carpool-tags": "faq"}, "q", {"tag": "faq"}, "carpool:tag:*"),
+    "namespace": ({"x-carpool-namespace": "n1"}, "q", {"namespace": "n1"}, "carpool:ns:*"),
+    "prompt prefix": ({}, "question one", {"prefix": "question"}, "carpool:prefixes"),
+}
+
+
+async def _foreign_member(client: Any, index: bytes, member: bytes) -> None:
+    await client.zadd(index, {member: 9e15})
+
+
+SPOILED_INDEXES: dict[str, Spoil] = {
+    "a member that is no UTF-8": lambda c, k: _foreign_member(c, k, b"\xff\xfe\nquestion"),
+    "a member that names no entry": lambda c, k: _foreign_member(c, k, b"../e:{x}\nquestion"),
+    "a string where a sorted set belongs (WRONGTYPE)": lambda c, k: c.set(k, b"v0"),
+}
+
+
+@pytest.mark.parametrize("selector", list(SELECTORS))
+@pytest.mark.parametrize("spoil", list(SPOILED_INDEXES))
+async def test_an_invalidation_passes_over_an_index_it_cannot_read_and_drops_what_it_names(
+    fake: Any, redis_server: Any, spoil: str, selector: str
+) -> None:
+    # Something else wrote the index: a member that was no UTF-8 made the invalidation a 500
+    # and left the answer served; an index of another type made it a 503 "retry it" for good.
+    headers, prompt, invalidation, pattern = SELECTORS[selector]
+    async with (
+        raw(redis_server) as client,
+        gateways(2, fake, redis_server, coalesce=NO_WINDOW) as (a, b),
+    ):
+        assert (await a.chat(prompt, headers=headers)).headers["x-carpool"] == "miss"
+        (index,) = [key async for key in client.scan_iter(match=pattern)]
+        if spoil.endswith("(WRONGTYPE)"):
+            await client.delete(index)
+        await SPOILED_INDEXES[spoil](client, index)
+        done = await b.client.post("/admin/invalidate", json=invalidation, headers=ADMIN)
+        assert (done.status_code, done.json()) == (200, {"invalidated": 1})
+        assert [key async for key in client.scan_iter(match="carpool:e:*")] == []
+        assert (await a.chat(prompt, headers=headers)).headers["x-carpool"] == "miss"
+        assert b.gateway.redis_health()["state"] == "up"
+        left = [m async for m, _ in client.zscan_iter(index)] if spoil[-1] != ")" else []
+        assert not [m for m in left if not ENTRY_ID.fullmatch(m.partition(b"\n")[0])]
 
 
 @pytest.mark.parametrize(

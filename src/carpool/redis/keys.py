@@ -5,7 +5,8 @@ Contract:
   Redis Cluster hash tag after it (``check_prefix`` raises ``ValueError``).
 - ``key_id(key)`` is the ``ID`` of a cache key in key names, and its hash tag: the fingerprint as
   it is when it is one (32 lowercase hex digits); any other key is replaced by its 40-hex BLAKE2b
-  digest (no raw text in a key; the lengths keep both spaces apart). The exact store's entry and
+  digest (no raw text in a key; the lengths keep both spaces apart): ``ENTRY_ID`` matches
+  both, and nothing else. The exact store's entry and
   a flight's lock and streams for the same key share that ID, so one slot.
 - ``digest(text)``: user input (tags, namespaces) is only ever its 32-hex BLAKE2b digest in a
   key name.
@@ -20,9 +21,10 @@ import hashlib
 import re
 from typing import Any
 
-__all__ = ["check_prefix", "digest", "glob_escape", "key_id", "xread_entries"]
+__all__ = ["ENTRY_ID", "check_prefix", "digest", "glob_escape", "key_id", "xread_entries"]
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+ENTRY_ID = re.compile(rb"[0-9a-f]{32}|[0-9a-f]{40}")
 
 
 def check_prefix(prefix: str) -> None:

@@ -28,7 +28,9 @@ Contract (on top of ``store.base``):
   ``store_layout.Unreadable``, or a key of another type, ``WRONGTYPE``) is a miss, never an
   error: Redis answered (no ``StoreUnavailable``, no degraded period). It is logged and dropped
   (unless an entry was put there since), so it costs one miss, not one per request until it
-  expires; an invalidation that meets one drops it too.
+  expires; an invalidation that meets one drops it too. An index that is not carpool's (a
+  member that names no entry: taken out of it; a key of another type: dropped, and every entry
+  checked instead) never fails an invalidation nor leaves an answer it names.
 - ``entries``/``bytes`` are the whole shared cache (all instances), as counted in Redis: an
   ``INCRBY``/``DECRBY`` byte counter and a set of live entries, kept by one Lua script that also
   reaps what expired. The properties are sync, so they return the last value this instance saw:
@@ -84,7 +86,7 @@ from .connection import (
     stop_reader,
     unavailable_in,
 )
-from .keys import check_prefix, digest, glob_escape, key_id, xread_entries
+from .keys import ENTRY_ID, check_prefix, digest, glob_escape, key_id, xread_entries
 from .store_layout import (
     COUNT,
     DROP,
@@ -322,23 +324,52 @@ class RedisStore:
     # ------------------------------------------------------------------ internals
 
     async def _drop_indexed(self, index: str, mode: str, value: str) -> int:
-        """Drop the candidates of one index that still match, checked entry by entry."""
-        wanted = value.encode("utf-8", "surrogatepass") if mode == "p" else b""
+        """Drop the candidates of one index that still match, checked entry by entry. What
+        something else wrote there is never a 500 and never leaves a named answer served: a
+        member that names no entry is taken out; an index that is no sorted set is dropped,
+        and every entry checked instead."""
+        kind = await self._client.type(index)
+        if kind not in (b"zset", b"none"):
+            log.warning(
+                "dropping %s, no index (something else wrote it): every entry checked", index
+            )
+            await self._client.unlink(index)
+            return await self._drop_candidates(None, mode, value)
+        return await self._drop_candidates(index, mode, value)
+
+    async def _drop_candidates(self, index: str | None, mode: str, value: str) -> int:
+        """The candidates: the members of ``index`` ("ID\\nprompt prefix"), or every entry
+        (``None``); ``DROP`` checks each entry itself, the index only narrows the search."""
+        wanted = value.encode("utf-8", "surrogatepass") if mode == "p" and index else b""
         seen: set[bytes] = set()
-        batch: list[bytes] = []
+        batch: list[str] = []
         dropped = 0
-        async for member, _ in self._client.zscan_iter(index, count=BATCH):
+        start = self._keys.entry_start
+        members = (
+            self._client.zscan_iter(index, count=BATCH)
+            if index is not None
+            else (
+                (key[len(start) : -1], 0)
+                async for key in self._client.scan_iter(match=self._keys.families[0], count=BATCH)
+            )
+        )
+        async for member, _ in members:
             entry_id, _, prompt_prefix = member.partition(b"\n")
             # (An expired candidate's ``DROP`` finds it so by Redis's clock: not counted.)
             if entry_id in seen or not prompt_prefix.startswith(wanted):
                 continue
             seen.add(entry_id)
-            batch.append(entry_id)
+            if not ENTRY_ID.fullmatch(entry_id):
+                if index is not None:
+                    log.warning("dropping a member of %s that names no entry", index)
+                    await self._client.zrem(index, member)
+                continue
+            batch.append(entry_id.decode())
             if len(batch) >= BATCH:
-                dropped += await self._drop([i.decode() for i in batch], mode, value)
+                dropped += await self._drop(batch, mode, value)
                 batch = []
         if batch:
-            dropped += await self._drop([i.decode() for i in batch], mode, value)
+            dropped += await self._drop(batch, mode, value)
         return dropped
 
     async def _drop(self, ids: list[str], mode: str = "p", value: str = "") -> int:
