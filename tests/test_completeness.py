@@ -17,8 +17,11 @@ every client is in), never by sleeping.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import math
+import struct
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -573,3 +576,37 @@ async def test_an_http_stream_that_stops_without_done_raises_after_what_came(fak
         await response.aclose()
     finally:
         await upstream.aclose()
+
+
+def _base64(*values: float) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+@pytest.mark.parametrize(
+    "vectors",
+    [
+        [[]],
+        [[0.5], [0.5, 0.5]],
+        [["a", None]],
+        [[[0.5]]],
+        [_base64(math.nan, 0.5)],
+        [_base64(0.5, -math.inf)],
+        [""],
+        ["@@@@"],
+        ["AAA="],  # 2 bytes: no float32
+        [_base64(0.5), [0.5]],
+        [[0.5], _base64(0.5)],
+    ],
+    ids=repr,
+)
+def test_an_embeddings_answer_with_a_vector_no_sound_engine_sends_is_not_complete(vectors):
+    body = {"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}
+    assert not is_complete("embedding", body, len(vectors))
+
+
+@pytest.mark.parametrize(
+    "vectors", [[[0.5, -1, 0]], [[0.5], [2.0]], [_base64(0.5, 1e-30)], [_base64(1.0)] * 3]
+)
+def test_an_embeddings_answer_of_sound_vectors_is_complete(vectors):
+    body = {"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}
+    assert is_complete("embedding", body, len(vectors))

@@ -11,7 +11,8 @@ Contract:
   index 0..choices-1 (a choice without ``index`` counts at its position); for "embedding" a
   non-empty ``data`` whose every item has an ``embedding``, their indexes exactly 0..n-1 once
   each (an item without ``index`` counts at its position), n being ``choices`` when given (one
-  vector per input), else the items there are. ``expected_choices(kind, request)`` is that count
+  vector per input), else the items there are, and every vector sound: non-empty, all of one
+  length, all lists of numbers or all base64 of float32s, none NaN or infinite. ``expected_choices(kind, request)`` is that count
   for a request body: ``n`` (default 1) per prompt, so ``n`` times the prompts of a completion's
   list ``prompt`` (``best_of`` picks among candidates but returns ``n``); for embeddings the
   inputs (a list of strings or of token lists: one each; a string or one token list: 1); None
@@ -28,6 +29,8 @@ Contract:
 
 from __future__ import annotations
 
+import base64
+import math
 from typing import Any
 
 # vLLM reports a request it gave up on as finish_reason "abort"; such an answer is not complete.
@@ -78,12 +81,29 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
             # engine that dropped them) would be served, as a hit, to every client of the
             # request without them (the batcher's ``_split`` holds a merged call to the same).
             wanted = len(data) if choices is None else choices
-            return len(data) == wanted and sorted(
-                d.get("index", position) for position, d in enumerate(data)
-            ) == list(range(wanted))
+            return (
+                len(data) == wanted
+                and sorted(d.get("index", position) for position, d in enumerate(data))
+                == list(range(wanted))
+                and _sound([d["embedding"] for d in data])
+            )
     except Exception:
         return False
     return False
+
+
+def _sound(vectors: list[Any]) -> bool:
+    """Whether ``vectors`` are the answer of a sound engine: each non-empty, all of one
+    length, either every one a list of numbers or every one base64 of float32s; none NaN or
+    infinite (a fault, fp16 overflowing, would be served for the whole TTL). Linear in the
+    answer, in C (``sum``); raises on what is no vector (the caller's ``except``)."""
+    if isinstance(vectors[0], str):
+        vectors = [memoryview(base64.b64decode(v, validate=True)).cast("f") for v in vectors]
+    length = len(vectors[0])
+    return length > 0 and all(
+        isinstance(v, (list, memoryview)) and len(v) == length and math.isfinite(sum(v))
+        for v in vectors
+    )
 
 
 def _every_index(indexes: set[Any], wanted: int) -> bool:
