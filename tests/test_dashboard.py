@@ -612,3 +612,128 @@ async def test_replicas_named_like_object_properties_are_drawn_with_their_number
             )
         assert sum(series["calls"] for series in drawn["series"]) == 6
         await page.close()
+
+
+STATUS_JS = """() => ({cls: document.getElementById('status').className,
+  text: document.getElementById('status').innerText, ticks: window.carpoolDashboard.ticks,
+  errors: window.carpoolDashboard.errors, lastError: window.carpoolDashboard.lastError})"""
+
+
+async def test_a_stats_that_never_answers_turns_the_page_stale_then_disconnected(gw, browser):
+    """A gateway that stops answering (a stopped process, a blocked loop, a stuck host): the page
+    awaited its poll with no deadline and said "● live" for good. It says stale once the last
+    answer is a few intervals old, then gives the poll up (an error) and polls again."""
+    answer = asyncio.Event()
+    held = 0
+    refresh_figures = gw.gateway.refresh_figures
+
+    async def never(*args: Any, **kwargs: Any) -> None:  # /stats awaits it before answering
+        nonlocal held
+        held += 1
+        await answer.wait()
+
+    page = await browser.new_page()
+    try:
+        await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+        await page.wait_for_function("() => window.carpoolDashboard.ticks >= 2", timeout=WAIT_MS)
+        assert (await page.evaluate(STATUS_JS))["cls"] == "ok"
+        gw.gateway.refresh_figures = never
+        await page.wait_for_function(
+            "() => document.getElementById('status').innerText.includes('stale')",
+            timeout=WAIT_MS,
+        )
+        stale = await page.evaluate(STATUS_JS)
+        assert stale["cls"] == "down" and stale["errors"] == 0 and held >= 1
+        # The poll given up (its deadline: 5 s at this interval) goes through the error path,
+        # and the page asks again.
+        await page.wait_for_function(
+            "() => window.carpoolDashboard.errors >= 1", timeout=4 * WAIT_MS
+        )
+        down = await page.evaluate(STATUS_JS)
+        assert down["cls"] == "down" and "disconnected" in down["text"], down
+        assert "no answer" in down["lastError"], down
+        await eventually(lambda: held >= 2, what="the page polling again")
+        gw.gateway.refresh_figures = refresh_figures  # answering again: live again
+        answer.set()
+        ticks = down["ticks"]
+        await page.wait_for_function(
+            "n => window.carpoolDashboard.ticks > n && "
+            "document.getElementById('status').className === 'ok'",
+            arg=ticks,
+            timeout=4 * WAIT_MS,
+        )
+        assert "live" in (await page.evaluate(STATUS_JS))["text"]
+    finally:
+        answer.set()
+        await page.close()
+
+
+def audited_namespaces(n: int) -> dict[str, dict[str, Any]]:
+    """``n`` namespaces serving, audited 1 to n times, and two backed off audited once."""
+    audit = {"wrong": 0, "estimate": 0.0, "low": 0.0, "high": 0.3, "state": "serving"}
+    namespaces = {f"ns-{i}": {**audit, "audited": 1 + i} for i in range(n)}
+    for name in ("troubled-a", "troubled-b"):
+        namespaces[name] = {**audit, "audited": 1, "wrong": 1, "state": "backed-off"}
+    return namespaces
+
+
+async def test_thousands_of_namespaces_draw_a_bounded_number_of_tiles_and_the_charts_stay_on_top(
+    gw, browser
+):
+    """Namespaces are the clients' to name: the page drew a tile for each one /stats listed,
+    and with thousands the charts were tens of thousands of pixels down. It draws those not
+    serving, then the most audited, up to a bound, and one tile counts the rest (with those
+    /stats itself left out: ``semantic_audit_more``)."""
+    namespaces = audited_namespaces(3000)
+    doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33}
+    doc |= {"semantic_audit": namespaces, "semantic_audit_more": 500}
+    page, thrown = await polling(browser, gw, [doc])
+    await page.set_viewport_size({"width": 1280, "height": 900})
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 2", timeout=WAIT_MS)
+    shown = await page.evaluate(
+        """() => ({ids: [...document.querySelectorAll('.tile[id^="tile-audit-ns-"]')].map(t => t.id),
+          more: document.getElementById('tile-audit-more').querySelector('.value').textContent,
+          note: document.getElementById('tile-audit-more').querySelector('.note').textContent,
+          chart: document.getElementById('chart-outcomes').getBoundingClientRect().top,
+          screen: innerHeight})"""
+    )
+    assert thrown == []
+    drawn = [name.removeprefix("tile-audit-ns-") for name in shown["ids"]]
+    assert 2 < len(drawn) <= 12
+    assert drawn[:2] == ["troubled-a", "troubled-b"]  # not serving first
+    assert drawn[2:] == [f"ns-{i}" for i in range(2999, 2999 - len(drawn) + 2, -1)]
+    assert shown["more"] == f"+{len(namespaces) - len(drawn) + 500:,}"
+    assert "GET /admin/semantic/audit" in shown["note"]
+    assert shown["chart"] < shown["screen"], shown  # the charts on the first screen
+    await page.close()
+
+
+async def test_requests_per_second_counts_the_requests_the_gateway_refused(gw, browser):
+    """The "Requests" tile counts refused (and abandoned) requests; "Requests / s" beside it
+    counted only the five outcomes: a flood of refused requests read 0.00/s."""
+    page = await browser.new_page()
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 2", timeout=WAIT_MS)
+    # Every value the rate tile takes (one per poll's render), not the one of an instant that
+    # may fall in the next interval.
+    await page.evaluate(
+        """() => { const v = document.querySelector('#tile-rate .value'); window.rates = [];
+          new MutationObserver(() => window.rates.push(Number(v.dataset.value)))
+            .observe(v, {attributes: true, childList: true, characterData: true}); }"""
+    )
+    refused = 5
+    for _ in range(refused):
+        response = await gw.client.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 400
+    await page.wait_for_function(
+        "n => window.carpoolDashboard.last.rejected === n", arg=refused, timeout=WAIT_MS
+    )
+    rates = await page.evaluate("() => window.rates")
+    assert any(rate > 0 for rate in rates), rates  # the poll that saw them
+    note = await page.inner_text("#tile-rate .note")
+    assert "rejected" in note and "abandoned" in note
+    await page.close()

@@ -23,7 +23,12 @@ Contract:
   full Redis apart: ``pool_exhausted``, ``full``).
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
-  ``redis``, ``peer_calls`` and this worker's ``peers`` figures).
+  ``redis``, ``peer_calls`` and this worker's ``peers`` figures). Its ``semantic_audit`` lists
+  at most ``METRIC_NAMESPACES`` namespaces, those ``/metrics`` labels, in its order
+  (``metrics.labelled``: not serving first, then the most audited in all), and
+  ``semantic_audit_more`` counts the others: namespaces are the clients' to name, and a list of
+  every one (up to 20,000) made each poll of the dashboard megabytes. ``GET
+  /admin/semantic/audit`` lists them all (``Audits.snapshot``).
 - ``redis_health(layers)``: ``{"state": "off" | "up" | "degraded", ...}`` for ``/stats``, with
   each shared layer's counts; ``"off"`` without ``redis``. ``redis_state(layers)``: for the
   open ``/healthz``, only whether Redis is up (``state``, ``errors``, ``down_since``): no
@@ -56,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from .canonical import normalize_text
 from .errors import RequestError
+from .metrics import METRIC_NAMESPACES, labelled
 from .store.base import Selector, StoreUnavailable, prompt_text
 
 if TYPE_CHECKING:
@@ -135,12 +141,32 @@ def snapshot(layers: Layers) -> dict[str, Any]:
         **({"peers": layers.peers.snapshot()} if layers.peers is not None else {}),
         "judge_calls": g["judge_calls"],
         **({"judge": layers.judge.snapshot()} if layers.judge is not None else {}),
-        "semantic_audit": g["semantic_audit"],
+        **audited_namespaces(g["semantic_audit"], g["semantic_audit_totals"]),
         **(
             {"audit_calls": layers.audits.calls, "audit_failed": layers.audits.failed}
             if layers.audits is not None
             else {}
         ),
+    }
+
+
+def audited_namespaces(
+    windows: dict[str, dict[str, Any]], totals: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    """``/stats``' ``semantic_audit`` and ``semantic_audit_more`` (the module's contract)."""
+    # A namespace whose totals were pushed out (MAX_BUDGETS) while a budget of it is held
+    # ranks by its windows' audits.
+    ranked = labelled(
+        {
+            name: totals.get(name, (audit["audited"], audit["wrong"]))
+            for name, audit in windows.items()
+        },
+        windows,
+        METRIC_NAMESPACES,
+    )
+    return {
+        "semantic_audit": {name: windows[name] for name, _ in ranked},
+        "semantic_audit_more": len(windows) - len(ranked),
     }
 
 

@@ -23,7 +23,7 @@ Contract:
 - Any other method or path under ``/admin``: the same refusals, then 405 (with ``Allow``) or
   404, in OpenAI's shape too.
 - ``GET /admin/semantic/audit``: each namespace's audits, estimate and state (as ``/stats``
-  ``semantic_audit``), and its error budgets' by tenant label (``tenants``: only here, never in
+  ``semantic_audit``, which lists at most ``METRIC_NAMESPACES``: here every one), and its error budgets' by tenant label (``tenants``: only here, never in
   ``/stats``, which may be open; ``Audits.snapshot``); the answering worker's (with ``--workers
   N``, as ``/stats``). ``POST /admin/semantic/audit/reset`` ``{"namespace": ns, "tenant":
   label}`` (either, or ``{}``: all) puts those budgets back to ``serving`` with no audits:

@@ -365,9 +365,10 @@ def labelled(
 ) -> list[tuple[str, tuple[int, int]]]:
     """The namespaces ``/metrics`` labels its series with, and their ``totals``: at most
     ``limit``, those not serving first (what an alert is for), then the most audited in all
-    (``peers.metrics.merge`` ranks a workers' run by the same rule). Namespaces are the
-    clients' to name: a series set each would grow with every one audited (``/stats`` and
-    ``GET /admin/semantic/audit`` list them all). ``limit`` None: every one, for the merge."""
+    (``peers.metrics.merge`` ranks a workers' run by the same rule; ``/stats`` lists these,
+    ``admin.audited_namespaces``). Namespaces are the clients' to name: a series set each would
+    grow with every one audited (``GET /admin/semantic/audit`` lists them all). ``limit`` None:
+    every one, for the merge."""
 
     def serving(namespace: str) -> bool:
         audit = audits.get(namespace)

@@ -33,7 +33,8 @@ Contract:
   it keeps serving.) :func:`smallest_window`: the shortest window in which a budget can come
   back (the config refuses a shorter one).
 - ``state(budget)``; ``snapshot(tenants=False)``: ``{namespace: {"audited", "wrong",
-  "estimate", "low", "high", "state", "budgets"}}`` (``/stats`` ``semantic_audit``), each
+  "estimate", "low", "high", "state", "budgets"}}`` (``/stats`` ``semantic_audit``, which
+  keeps those ``/metrics`` labels: ``admin.audited_namespaces``), each
   namespace's budgets together: ``audited`` and ``wrong`` summed, the estimate over the windows
   of the bar each serves at (``serving``: the usual bar's; ``backed-off``, ``mark``: the near
   repeats'), ``state`` the furthest from serving of theirs and ``budgets`` how many are in each
