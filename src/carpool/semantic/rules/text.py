@@ -15,7 +15,7 @@ STOP = frozenset(
     """a an the to of in on at for by with from and or but is are was were be been
 do does did can could should would will shall may might must i you he she it we they me him her
 us them my your his its our their this that these those what which who whom how why when where
-whether if than then so as not no please".split()""".split()
+whether if than then so as not no please""".split()
 )
 
 
