@@ -1125,6 +1125,7 @@ def test_every_rule_names_its_own_reason():
         Reason.ORDER,
         Reason.POLARITY,
         Reason.SUBSTITUTION,
+        Reason.RELATION,
     ]
 
 

@@ -254,6 +254,7 @@ class JudgeConfig(Section):
             "order",
             "polarity",
             "substitution",
+            "relation",
         ]
     ] = Field(
         default_factory=list,

@@ -30,7 +30,9 @@ refuses, ahead of the model, what the model reads badly:
   the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
-  filler hides from the verifier.
+  filler hides from the verifier;
+- :mod:`.relations`: another relative reached through a possessive ("my wife's brother" / "my
+  brother's wife", "my boss's boss" / "my boss").
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
@@ -45,6 +47,7 @@ from . import (
     order,
     polarity,
     quoted,
+    relations,
     substitution,
 )
 
@@ -57,6 +60,7 @@ RULES = (
     order.RULE,
     polarity.RULE,
     substitution.RULE,
+    relations.RULE,
 )
 
 __all__ = ["RULES"]
