@@ -1126,6 +1126,7 @@ def test_every_rule_names_its_own_reason():
         Reason.POLARITY,
         Reason.SUBSTITUTION,
         Reason.RELATION,
+        Reason.QUALIFIER,
     ]
 
 

@@ -255,6 +255,7 @@ class JudgeConfig(Section):
             "polarity",
             "substitution",
             "relation",
+            "qualifier",
         ]
     ] = Field(
         default_factory=list,

@@ -32,7 +32,11 @@ refuses, ahead of the model, what the model reads badly:
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
   filler hides from the verifier;
 - :mod:`.relations`: another relative reached through a possessive ("my wife's brother" / "my
-  brother's wife", "my boss's boss" / "my boss").
+  brother's wife", "my boss's boss" / "my boss");
+- :mod:`.qualifiers`: a small edit of a qualifier, how many, on what condition, must or may,
+  when, how much, in what form ("all" / "some", "if" / "unless", "must" / "can", "was" / "is",
+  "too hot" / "hot enough", "as a table" / "as a bulleted list"); its lists are in
+  :mod:`.qualifier_words`.
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
@@ -46,6 +50,7 @@ from . import (
     operators,
     order,
     polarity,
+    qualifiers,
     quoted,
     relations,
     substitution,
@@ -61,6 +66,7 @@ RULES = (
     polarity.RULE,
     substitution.RULE,
     relations.RULE,
+    qualifiers.RULE,
 )
 
 __all__ = ["RULES"]

@@ -245,7 +245,8 @@ _OWNING = re.compile(r"[^\W_]+(?:'s\b)?")
 
 def _owner_exchanged(a: str, b: str) -> bool:
     """An owner and what it owns exchanged: "x's y" on one side, "y's x" on the other."""
-    wa, wb = _OWNING.findall(norm(a).lower()), _OWNING.findall(norm(b).lower())
+    wa: list[str] = _OWNING.findall(norm(a).lower())
+    wb: list[str] = _OWNING.findall(norm(b).lower())
     if len(wa) != len(wb):
         return False
     changed = [i for i, (x, y) in enumerate(zip(wa, wb, strict=True)) if x != y]
