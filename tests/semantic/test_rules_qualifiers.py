@@ -101,3 +101,20 @@ def test_polarity_over_against_under_is_refused():
     a = "Is inheritance taxed if the estate is under the threshold?"
     b = "Is inheritance taxed if the estate is over the threshold?"
     assert polarity.RULE.differs(a, b) and polarity.RULE.differs(b, a)
+
+
+@pytest.mark.parametrize("words", [50, 700])
+def test_qualifiers_read_only_the_edit_however_long_the_text(monkeypatch, words):
+    # difflib is quadratic: only the edit and its margin are compared (700 repeated words took
+    # 60 ms whole).
+    seen: list[int] = []
+    matcher = qualifiers.difflib.SequenceMatcher
+
+    def counting(junk, a, b, autojunk=False):
+        seen.append(max(len(a), len(b)))
+        return matcher(junk, a, b, autojunk=autojunk)
+
+    monkeypatch.setattr(qualifiers.difflib, "SequenceMatcher", counting)
+    text = " ".join(["word"] * words)
+    assert qualifiers.RULE.differs(text + " for all of them?", text + " for some of them?")
+    assert seen and max(seen) <= qualifiers.SPAN + 2 * qualifiers.MARGIN

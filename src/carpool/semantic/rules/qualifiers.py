@@ -8,8 +8,8 @@ be unique?", "Was Pluto a planet?" / "Is Pluto a planet?", "Is my coffee too hot
 verifier, which reads the shared words, scored them 0.97-0.99. The rule reads each family of
 :data:`FAMILIES` (its phrases in :mod:`.qualifier_words`) in the words a small edit changed:
 
-- the two texts differ in at most :data:`MOST` words a side (difflib's opcodes over the words);
-  a longer rewording is the verifier's, which reads it;
+- the two texts differ in at most :data:`MOST` words a side (difflib's opcodes over the words),
+  within :data:`SPAN` words; a longer rewording is the verifier's, which reads it;
 - a phrase of a family belongs to the edit when it covers a changed word, read in the whole
   text ("even if" / "only if": "if" is shared, the phrase is not);
 - the rule fires when the edit's phrases of one family differ in class on the two sides, both
@@ -90,10 +90,37 @@ def _only_moved(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     ]
 
 
+#: The most words between the first and the last change of a side: the edit is read there
+#: (and :data:`MARGIN` words around it, for a phrase that covers a changed word), so a long
+#: prompt costs its prefix and suffix only (difflib is quadratic: 60 ms for 700 repeated
+#: words). Changes farther apart in a long prompt are the verifier's.
+SPAN = 30
+MARGIN = 3
+
+
+def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int]:
+    """The lengths of the words ``a`` and ``b`` start and end with alike."""
+    n = min(len(a), len(b))
+    start = 0
+    while start < n and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < n - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    return start, end
+
+
 @functools.lru_cache(maxsize=4096)
 def _differs(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    if a == b:
+    if a == b or abs(len(a) - len(b)) > MOST:
         return False
+    start, end = _common(a, b)
+    if max(len(a), len(b)) - start - end > SPAN:
+        return False
+    # The edit and its margin: the same words around it on both sides.
+    lead = max(0, start - MARGIN)
+    tail = max(0, end - MARGIN)
+    a, b = a[lead : len(a) - tail], b[lead : len(b) - tail]
     if _only_moved(a, b):
         return True
     matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
