@@ -244,6 +244,32 @@ def test_a_time_of_day_or_keep_said_otherwise_on_the_other_side_passes():
         assert passes(polarity.RULE, a, b), (a, b)
 
 
+def test_numbers_a_unit_written_in_another_case_after_a_number_is_refused():
+    # Served at 1.0, retyped, the verifier never asked: milli is not mega, bits are not bytes.
+    for a, b in (
+        ("Is a 5 MHz signal audible?", "Is a 5 mHz signal audible?"),
+        ("What particles have an energy of 10 MeV?", "What particles have an energy of 10 meV?"),
+        ("How long to copy 50 GB at 1 Gbps?", "How long to copy 50 GB at 1 GBps?"),
+        ("Is a dose of 20 mSv dangerous?", "Is a dose of 20 MSv dangerous?"),
+        ("Is a 2 MOhm resistor safe for an LED?", "Is a 2 mOhm resistor safe for an LED?"),
+        ("Is 3 Mbps fast enough for video calls?", "Is 3 MBps fast enough for video calls?"),
+        ("Is 1 Mbps enough for streaming HD video?", "Is 1 MBps enough for streaming HD video?"),
+    ):
+        assert not passes(numbers.RULE, a, b), (a, b)
+
+
+def test_numbers_a_unit_typed_in_lower_case_or_shouted_passes():
+    # Lower case or a text in capitals says nothing of the unit's case: how a user types.
+    for a, b in (
+        ("Is a 5 mhz signal audible?", "Is a 5 MHz signal audible?"),
+        ("is 3 mbps fast enough?", "Is 3 Mbps fast enough?"),
+        ("IS 3 MBPS FAST ENOUGH?", "Is 3 Mbps fast enough?"),
+        ("Convert 5 km to miles", "convert 5 Km to miles"),
+        ("Is 3 Mbps fast enough?", "Is 3 Mbps fast enough for calls?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+
+
 def test_numbers_am_and_pm_written_another_way_or_am_as_a_verb_pass():
     for a, b in (
         ("Set an alarm for 7 am.", "Set an alarm for 7 a.m."),
@@ -1100,6 +1126,8 @@ def test_every_rule_names_its_own_reason():
         Reason.ORDER,
         Reason.POLARITY,
         Reason.SUBSTITUTION,
+        Reason.RELATION,
+        Reason.QUALIFIER,
     ]
 
 

@@ -558,7 +558,63 @@ SERVED_BY_THE_VERIFIER = {
         "How do I say I study medicine in Spanish?",
         "quoted",
     ),
+    # A fifth review's traps (tests/semantic/test_traps5.py has them all): a unit in another
+    # case (served at 1.0, a retyping), another relative through a possessive, a quantifier, a
+    # condition, a modal or a tense in a small edit, over / under.
+    "unit_in_another_case": ("Is a 5 MHz signal audible?", "Is a 5 mHz signal audible?", "number"),
+    "owner_and_relative_exchanged": (
+        "What do I call my wife's brother?",
+        "What do I call my brother's wife?",
+        "order",
+    ),
+    "a_relative_of_a_relative": (
+        "What should I get my boss's boss for her retirement?",
+        "What should I get my boss for her retirement?",
+        "relation",
+    ),
+    "all_or_some": (
+        "Do all vaccines contain live virus?",
+        "Do some vaccines contain live virus?",
+        "qualifier",
+    ),
+    "if_or_unless": (
+        "Will the flight be refunded if the airline cancels it?",
+        "Will the flight be refunded unless the airline cancels it?",
+        "qualifier",
+    ),
+    "must_or_can": ("Must a primary key be unique?", "Can a primary key be unique?", "qualifier"),
+    "was_or_is": ("Was Pluto a planet?", "Is Pluto a planet?", "qualifier"),
+    "under_or_over": (
+        "Is inheritance taxed if the estate is under the threshold?",
+        "Is inheritance taxed if the estate is over the threshold?",
+        "polarity",
+    ),
 }
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("Do any snakes lay eggs?", "Are there snakes that lay eggs?"),
+        ("Who was Queen Victoria's grandmother?", "Who was the grandmother of Queen Victoria?"),
+        (
+            "Do you need a license to fly a drone in the UK?",
+            "Is a license needed to fly a drone in the UK?",
+        ),
+        (
+            "Can I take the bus for free if I'm over 65?",
+            "If I'm over 65, can I ride the bus for free?",
+        ),
+    ],
+)
+async def test_a_quantifier_a_relative_a_modal_or_a_condition_reworded_is_still_a_semantic_hit(
+    sgw, fake, first, second
+):
+    answer = await ask(sgw, first)
+    await stored(sgw)
+    again = await ask(sgw, second)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+    assert fake.count() == 1
 
 
 @pytest.mark.parametrize("kind", sorted(SERVED_BY_THE_VERIFIER))

@@ -254,6 +254,8 @@ class JudgeConfig(Section):
             "order",
             "polarity",
             "substitution",
+            "relation",
+            "qualifier",
         ]
     ] = Field(
         default_factory=list,

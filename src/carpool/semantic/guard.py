@@ -6,7 +6,9 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
 
 1. the exact rules (:mod:`carpool.semantic.rules`): numbers, units and dates, operators, quoted
    text and task inputs, identifiers, names, word order, the opposites, negations and exclusions
-   the verifier misses, one thing named in place of another. The first that fires refuses the
+   the verifier misses, one thing named in place of another, another relative reached through a
+   possessive, a small edit of a qualifier (how many, a condition, must or may, when, how much,
+   in what form). The first that fires refuses the
    pair with its :class:`Reason`; no model is asked. A side longer than :data:`READ_CHARS` is not
    read at all (:attr:`Reason.LENGTH`: too long to check), and ``judge`` reads on a worker
    thread: a lookup never stalls the event loop, whatever a client sends.

@@ -18,6 +18,8 @@ class Reason(StrEnum):
     ORDER = "order"  # the same words in another order (roles, direction)
     POLARITY = "polarity"  # a negation or an opposite on one side only
     SUBSTITUTION = "substitution"  # one thing named in place of another, the rest word for word
+    RELATION = "relation"  # another relative reached through a possessive ("wife's brother")
+    QUALIFIER = "qualifier"  # a small edit of how many, a condition, must / may, when, how much
     MEANING = "meaning"  # the verifier: not the same answer
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
     JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict

@@ -30,7 +30,13 @@ refuses, ahead of the model, what the model reads badly:
   the kind the verifier was measured to miss;
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
-  filler hides from the verifier.
+  filler hides from the verifier;
+- :mod:`.relations`: another relative reached through a possessive ("my wife's brother" / "my
+  brother's wife", "my boss's boss" / "my boss");
+- :mod:`.qualifiers`: a small edit of a qualifier, how many, on what condition, must or may,
+  when, how much, in what form ("all" / "some", "if" / "unless", "must" / "can", "was" / "is",
+  "too hot" / "hot enough", "as a table" / "as a bulleted list"); its lists are in
+  :mod:`.qualifier_words`.
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
@@ -44,7 +50,9 @@ from . import (
     operators,
     order,
     polarity,
+    qualifiers,
     quoted,
+    relations,
     substitution,
 )
 
@@ -57,6 +65,8 @@ RULES = (
     order.RULE,
     polarity.RULE,
     substitution.RULE,
+    relations.RULE,
+    qualifiers.RULE,
 )
 
 __all__ = ["RULES"]

@@ -20,6 +20,11 @@ An embedding puts "a 2 bedroom flat" next to "a 3 bedroom flat"; the answers dif
 - relative dates and periods ("today", "tomorrow", "last week" / "last month", "per day",
   "明天", "去年") and times of day in words ("noon" / "midnight", "dawn" / "dusk"): the two
   sets must be equal.
+- a unit after a number is read with its case too, where both sides write it with capitals:
+  "5 MHz" / "5 mHz", "1 Gbps" / "1 GBps", "20 mSv" / "20 MSv" are mega against milli, bits
+  against bytes (they were served at 1.0: a retyping, the verifier never asked). A unit in
+  lower case ("5 mhz") or in a text written in capitals says nothing of its case: how a user
+  types, so it passes against any case.
 """
 
 from __future__ import annotations
@@ -210,7 +215,32 @@ def _moved(x: Amounts, y: Amounts) -> bool:
     return x != y and Counter(v for v, _ in x.elements()) == Counter(v for v, _ in y.elements())
 
 
+#: A unit just after a number, as written: "5 MHz", "10meV".
+_CASED_UNIT = re.compile(r"(?<![^\W\d_])\d+(?:[.,]\d+)?\s?([^\W\d_]+)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _cased_units(text: str) -> Counter[str]:
+    """The units after a number that carry their case: not in lower case, not in a text
+    written in capitals (neither says which case was meant)."""
+    text = norm(text)
+    if not any(ch.islower() for ch in text):
+        return Counter()
+    return Counter(u for u in _CASED_UNIT.findall(text) if not u.islower())
+
+
+def _case_differs(a: str, b: str) -> bool:
+    """A unit after a number written in another case on each side, both with capitals."""
+    ua, ub = _cased_units(a), _cased_units(b)
+    if ua == ub:
+        return False
+    folded_b = {u.casefold() for u in ub}
+    return any(u.casefold() in folded_b and u not in ub for u in ua)
+
+
 def differs(a: str, b: str) -> bool:
+    if _case_differs(a, b) or _case_differs(b, a):
+        return True
     na, ones_a, units_a, dates_a, amounts_a, groups_a, times_a = _read(a)
     nb, ones_b, units_b, dates_b, amounts_b, groups_b, times_b = _read(b)
     if units_a != units_b or dates_a != dates_b or (times_a and times_b and times_a != times_b):

@@ -10,7 +10,8 @@ which is exactly what a short list can read:
 - a word on one side and its negative prefix form on the other (un-, in-, im-, il-, ir-, dis-,
   non-, a-: "safe" / "unsafe", "advantages" / "disadvantages", "legal" / "illegal"; the word
   without its prefix at least three letters long), and "over-" against "under-" ("overvalued" /
-  "undervalued", "overestimate" / "underestimate");
+  "undervalued", "overestimate" / "underestimate"), and "over" / "under" themselves, a pair
+  of :data:`OPPOSITES` ("under the threshold" / "over the threshold", served at 0.99);
 - a pair of :data:`OPPOSITES` (each direction; a word may have several: "old" / "new", "old" /
   "young"), one word said more often on each side (counted: "Is it open?" answered "it is
   closed" / "it is open" says "open" on both sides, "closed" on one); a :data:`GRADED` word is read in its comparative and
@@ -71,7 +72,7 @@ _PREFIXES = ("un", "in", "im", "il", "ir", "dis", "non", "a")
 #: asked about ("beginners" / "experts"); the -er/-est forms of :data:`GRADED` words are read.
 #: "no_longer" is the word "no longer" (read from the phrase: :data:`_NO_LONGER`).
 _PAIRS = """
-fast/slow quickly/slowly fast/slowly good/bad better/worse best/worst benefits/risks
+over/under fast/slow quickly/slowly fast/slowly good/bad better/worse best/worst benefits/risks
 benefits/dangers pros/cons advantages/drawbacks increase/decrease increase/reduce
 increasing/decreasing increased/decreased more/less more/fewer most/least high/low higher/lower
 cheap/expensive cheap/pricey cheaper/pricier cheapest/priciest early/late before/after

@@ -1,0 +1,142 @@
+"""A small edit of a qualifier: how many, on what condition, must or may, when, how much, in
+what form.
+
+"Do all vaccines contain live virus?" / "Do some vaccines...", "Will the flight be refunded if
+the airline cancels it?" / "...unless...", "Must a primary key be unique?" / "Can a primary key
+be unique?", "Was Pluto a planet?" / "Is Pluto a planet?", "Is my coffee too hot to drink?" /
+"...hot enough...", "as a table" / "as a bulleted list": one word or a few changed, and the
+verifier, which reads the shared words, scored them 0.97-0.99. The rule reads each family of
+:data:`FAMILIES` (its phrases in :mod:`.qualifier_words`) in the words a small edit changed:
+
+- the two texts differ in at most :data:`MOST` words a side (difflib's opcodes over the words),
+  within :data:`SPAN` words; a longer rewording is the verifier's, which reads it;
+- a phrase of a family belongs to the edit when it covers a changed word, read in the whole
+  text ("even if" / "only if": "if" is shared, the phrase is not);
+- the rule fires when the edit's phrases of one family differ in class on the two sides, both
+  sides having one ("all" / "some", "if" / "unless", "must" / "may", "was" / "is", "too" /
+  "enough"), or one side alone has a class that changes the question by itself (a family's
+  ``solo``: "only", "all", "none", "exactly", "at least"; "unless", "only if", "even if",
+  "whether or not", "except"; any output format). Another class added on one side only ("Can I"
+  / "Can I really") is left to the verifier: "Do you need..." / "Is a license needed..." are
+  one question.
+
+A negation inside an edit that changes a condition is read with it ("provided I notify" / "if I
+don't notify"); a negation alone is the verifier's (the guard's negation bar). And "only" moved
+to another word, the rest the same words ("Are only mushrooms fungi?" / "Are mushrooms only
+fungi?"), is another question.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from collections import Counter
+
+from ..verdict import Reason, Rule
+from .qualifier_words import FAMILIES, Family
+from .text import norm
+
+#: The most words an edit may change on a side: past this, the verifier reads a rewording.
+MOST = 3
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
+
+
+@functools.lru_cache(maxsize=4096)
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(_WORD.findall(norm(text).lower()))
+
+
+def _phrases(words: tuple[str, ...], family: Family) -> list[tuple[int, int, str]]:
+    """The family's phrases in ``words``: (start, end, class), the longest first, each word in
+    one phrase at most."""
+    taken = [False] * len(words)
+    found = []
+    for phrase, label in family.phrases:
+        n = len(phrase)
+        for i in range(len(words) - n + 1):
+            if words[i : i + n] == phrase and not any(taken[i : i + n]):
+                taken[i : i + n] = [True] * n
+                found.append((i, i + n, label))
+    return found
+
+
+def _edited(found: list[tuple[int, int, str]], changed: set[int], sets: bool) -> Counter[str]:
+    """The classes of the phrases that cover a changed word."""
+    labels = Counter(
+        label for i, j, label in found if label != "-" and changed.intersection(range(i, j))
+    )
+    return Counter(set(labels)) if sets else labels
+
+
+def _family_differs(
+    a: tuple[str, ...], b: tuple[str, ...], ca: set[int], cb: set[int], family: Family
+) -> bool:
+    x = _edited(_phrases(a, family), ca, family.sets)
+    y = _edited(_phrases(b, family), cb, family.sets)
+    if x == y or set(x) | set(y) <= family.companions:
+        return False
+    if x and y:
+        return True
+    return any(label in family.solo for label in (x - y) + (y - x))
+
+
+def _only_moved(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """The same words, "only" before another one."""
+    if a == b or "only" not in a or Counter(a) != Counter(b):
+        return False
+    return [i for i, w in enumerate(a) if w == "only"] != [
+        i for i, w in enumerate(b) if w == "only"
+    ]
+
+
+#: The most words between the first and the last change of a side: the edit is read there
+#: (and :data:`MARGIN` words around it, for a phrase that covers a changed word), so a long
+#: prompt costs its prefix and suffix only (difflib is quadratic: 60 ms for 700 repeated
+#: words). Changes farther apart in a long prompt are the verifier's.
+SPAN = 30
+MARGIN = 3
+
+
+def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int]:
+    """The lengths of the words ``a`` and ``b`` start and end with alike."""
+    n = min(len(a), len(b))
+    start = 0
+    while start < n and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < n - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    return start, end
+
+
+@functools.lru_cache(maxsize=4096)
+def _differs(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    if a == b or abs(len(a) - len(b)) > MOST:
+        return False
+    start, end = _common(a, b)
+    if max(len(a), len(b)) - start - end > SPAN:
+        return False
+    # The edit and its margin: the same words around it on both sides.
+    lead = max(0, start - MARGIN)
+    tail = max(0, end - MARGIN)
+    a, b = a[lead : len(a) - tail], b[lead : len(b) - tail]
+    if _only_moved(a, b):
+        return True
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    ca: set[int] = set()
+    cb: set[int] = set()
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            ca.update(range(i1, i2))
+            cb.update(range(j1, j2))
+            if len(ca) > MOST or len(cb) > MOST:
+                return False
+    return any(_family_differs(a, b, ca, cb, family) for family in FAMILIES)
+
+
+def differs(a: str, b: str) -> bool:
+    return _differs(_words(a), _words(b))
+
+
+RULE = Rule(Reason.QUALIFIER, differs)

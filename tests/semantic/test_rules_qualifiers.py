@@ -1,0 +1,120 @@
+"""The qualifier rule (carpool.semantic.rules.qualifiers): a small edit of how many, on what
+condition, must or may, when, how much, in what form.
+
+The traps are a review's (served before, scored 0.97-0.99); the rewordings are of the kinds the
+development pairs hold, which the rule must let through. Every check runs both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.semantic.guard import refusal
+from carpool.semantic.rules import polarity, qualifiers
+from carpool.semantic.verdict import Reason
+
+
+def passes(a: str, b: str) -> bool:
+    assert qualifiers.RULE.differs(a, b) == qualifiers.RULE.differs(b, a), (a, b)
+    return not qualifiers.RULE.differs(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # how many
+        ("Do all vaccines contain live virus?", "Do some vaccines contain live virus?"),
+        ("Do all countries in the EU use the euro?", "Do most countries in the EU use the euro?"),
+        ("Do few people survive pancreatic cancer?", "Do many people survive pancreatic cancer?"),
+        ("Do both parents need to sign?", "Does either parent need to sign?"),
+        ("Is it always true that p is odd?", "Is it sometimes true that p is odd?"),
+        ("Write a regex for strings of only digits.", "Write a regex for strings of digits."),
+        ("Are only mushrooms fungi?", "Are mushrooms only fungi?"),
+        # on what condition
+        (
+            "Will the flight be refunded if it is cancelled?",
+            "Will the flight be refunded unless it is cancelled?",
+        ),
+        ("Is aspirin safe even if they have asthma?", "Is aspirin safe only if they have asthma?"),
+        (
+            "Can I use a card abroad provided I notify my bank?",
+            "Can I use a card abroad if I don't notify my bank?",
+        ),
+        (
+            "Write a loop that sums numbers but skips multiples of 3.",
+            "Write a loop that sums numbers but only multiples of 3.",
+        ),
+        # must, may, should, will
+        ("Must a primary key be unique?", "Can a primary key be unique?"),
+        ("Are cyclists required to wear helmets?", "Are cyclists allowed to wear helmets?"),
+        ("Should I take ibuprofen now?", "Can I take ibuprofen now?"),
+        ("Will I have to pay capital gains tax?", "Might I have to pay capital gains tax?"),
+        # when
+        ("Was Pluto a planet?", "Is Pluto a planet?"),
+        ("How did Rome change during the Republic?", "How did Rome change after the Republic?"),
+        ("What did the Fed do last month?", "What will the Fed do next month?"),
+        # how much
+        ("Is my coffee too hot to drink at 70 C?", "Is my coffee hot enough to drink at 70 C?"),
+        ("Is the bread slightly underbaked?", "Is the bread badly underbaked?"),
+        # in what form
+        ("Compare Python and Java as a table.", "Compare Python and Java as a bulleted list."),
+        (
+            "Tell me about black holes in three bullet points.",
+            "Tell me about black holes in three paragraphs.",
+        ),
+    ],
+)
+def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
+    assert not passes(a, b)
+    assert refusal(a, b) is not None
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Are all mammals warm-blooded?", "Is every mammal warm-blooded?"),
+        ("Must I file a tax return?", "Do I have to file a tax return?"),
+        ("Do you need a license to fly a drone?", "Is a license needed to fly a drone?"),
+        ("Should I go to work if I have a fever?", "If I have a fever, should I go to work?"),
+        # Phrases that are no qualifier, measured refusing true rewordings.
+        ("What are the best jokes ever?", "What are the all time best jokes?"),
+        ("How do I stop dreaming at all?", "How do I stop dreaming?"),
+        ("What are some interesting facts about NASA?", "What are the most interesting facts?"),
+        ("What is the 4th dimension?", "What exactly is the 4th dimension?"),
+        ("How should I lose weight from my face?", "How can I lose fat from my face?"),
+        ("No, it doesn't exist in v2.10.0.", "It is not available in v2.10.0."),
+        ("What art print might complement a poster?", "What art print could complement a poster?"),
+        # Another class added on one side only, or a longer rewording: the verifier's.
+        ("Can I take the bus for free?", "Can I really take the bus for free?"),
+        ("Is a will required in Texas?", "In Texas, what do I legally need to write a will?"),
+    ],
+)
+def test_qualifiers_the_same_qualifier_reworded_passes(a, b):
+    assert passes(a, b)
+
+
+def test_qualifiers_names_its_own_reason():
+    assert refusal("Do all snakes lay eggs?", "Do any snakes lay eggs?") == Reason.QUALIFIER
+
+
+def test_polarity_over_against_under_is_refused():
+    a = "Is inheritance taxed if the estate is under the threshold?"
+    b = "Is inheritance taxed if the estate is over the threshold?"
+    assert polarity.RULE.differs(a, b) and polarity.RULE.differs(b, a)
+
+
+@pytest.mark.parametrize("words", [50, 700])
+def test_qualifiers_read_only_the_edit_however_long_the_text(monkeypatch, words):
+    # difflib is quadratic: only the edit and its margin are compared (700 repeated words took
+    # 60 ms whole).
+    seen: list[int] = []
+    matcher = qualifiers.difflib.SequenceMatcher
+
+    def counting(junk, a, b, autojunk=False):
+        seen.append(max(len(a), len(b)))
+        return matcher(junk, a, b, autojunk=autojunk)
+
+    monkeypatch.setattr(qualifiers.difflib, "SequenceMatcher", counting)
+    text = " ".join(["word"] * words)
+    assert qualifiers.RULE.differs(text + " for all of them?", text + " for some of them?")
+    assert seen and max(seen) <= qualifiers.SPAN + 2 * qualifiers.MARGIN
