@@ -1377,23 +1377,61 @@ async def test_a_replay_lingers_on_another_instance_no_longer_than_its_window_fr
 ):
     """B keeps a call it replayed for its own window counted from the end of that call, not
     from its replay (windows would pile up from instance to instance): here A's window is
-    longer than B's, and A's call ended (as its lock says) before B's window would end, so B
-    keeps nothing: its next request replays from Redis again."""
+    longer than B's, A's call ended 50 s before B replays it (as its lock says; B's window is
+    60 s), and once 15 s more have passed on B's clock B keeps nothing: its next request
+    replays from Redis again (the lock, on Redis's clock, is still younger than B's window)."""
+    from carpool.clock import ManualClock
+
     factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
     settings = redis_settings(redis_server, retry_interval=0.05, timeout=2.0)
     long, short = (
         {"window_ms": ms, "max_window_ms": ms, "adaptive": False} for ms in (600_000, 60_000)
     )
+    clock = ManualClock()
     async with (
         run_gateway([fake.url], coalesce=long, **settings) as a,
-        run_gateway([fake.url], coalesce=short, **settings) as b,
+        run_gateway([fake.url], clock, coalesce=short, **settings) as b,
     ):
         first = await a.chat(QUESTION, headers=factual)
-        await backdate_lingering_lock(redis_server, 100)
-        again = [await b.chat(QUESTION, headers=factual) for _ in range(2)]
+        await backdate_lingering_lock(redis_server, 50)
+        again = [await b.chat(QUESTION, headers=factual)]
+        clock.advance(15)  # (65 s after A's call ended: B's window from the replay is open)
+        again.append(await b.chat(QUESTION, headers=factual))
         assert [r.headers["x-carpool"] for r in again] == ["coalesced", "coalesced"]
         assert {content(r) for r in again} == {content(first)} and fake.count() == 1
         assert b.gateway.shared_flights.counts["replayed"] == 2
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        {"window_ms": 0, "adaptive": False},
+        {"window_ms": 300, "adaptive": False},
+        {"window_ms": 0, "adaptive": True},
+        {"window_ms": 300, "max_window_ms": 500, "adaptive": True},
+    ],
+    ids=["none", "300ms", "adaptive-none", "adaptive-300ms"],
+)
+async def test_an_instance_replays_no_call_that_ended_longer_ago_than_its_own_window(
+    fake, redis_server, own
+):
+    """A fleet mid-change: A's window 3 s, B's shorter (0: no finished answer lingers). A call
+    A finished 1 s ago (as its lock in Redis says) lingers for A, but B does not replay it, as
+    it would not join a call of its own that ended as long ago: a miss, a fresh call. (Before,
+    B replayed it as ``coalesced`` for the whole of A's window, its own window 0 or not.)"""
+    factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
+    settings = redis_settings(redis_server, retry_interval=0.05, timeout=2.0)
+    long = {"window_ms": 3000, "max_window_ms": 3000, "adaptive": False}
+    async with (
+        run_gateway([fake.url], coalesce=long, **settings) as a,
+        run_gateway([fake.url], coalesce=own, **settings) as b,
+    ):
+        assert (await a.chat(QUESTION, headers=factual)).headers["x-carpool"] == "miss"
+        await backdate_lingering_lock(redis_server, 1)
+        again = await b.chat(QUESTION, headers=factual)
+        assert again.headers["x-carpool"] == "miss"
+        assert content(again) == f"answer 2 to {QUESTION}" and fake.count() == 2
+        assert b.gateway.shared_flights.counts["replayed"] == 0
 
 
 async def test_a_no_store_leaders_answer_does_not_linger_on_an_instance_that_followed_it(

@@ -17,7 +17,7 @@ Contract:
   Degraded, the figures are this instance's own memory's, and Redis is not asked.
 - Redis errors per component: each layer's own failed calls, counted once, by the layer that
   made them: ``store`` (the exact cache), ``flights``, ``invalidations`` (the subscriber's
-  reconnections too), ``semantic``, ``idempotency``; a component without its layer is left out
+  reconnections too; without a semantic cache, its ``invalidate`` records), ``semantic``, ``idempotency``; a component without its layer is left out
   (``store`` is always there, 0 without ``redis``). ``redis_health``'s ``errors`` is every
   layer's together, as the one health they all tell counts them (which counts a full pool or a
   full Redis apart: ``pool_exhausted``, ``full``).
@@ -49,7 +49,11 @@ Contract:
   with it (``SemanticCache``); those are not dropped, nor counted. A layer that could not
   reach Redis (the exact store's invalidation, the semantic stream's ``invalidate`` record)
   raises ``StoreUnavailable`` once every layer has been done here: the endpoint answers 503
-  "retry", never a success some instance did not get.
+  "retry", never a success some instance did not get. An instance without a semantic cache
+  publishes that record too (``SemanticInvalidations``; its failures counted with the
+  ``invalidations`` component's): in a fleet mid-change the others may hold semantic entries
+  with their answers, which the pub/sub message (``InvalidationChannel``: flights only) and the
+  exact store's invalidation do not reach.
 - Every layer is read through its type (``Layers``): a Redis-backed layer's figures through
   ``layers.shared_store`` / ``layers.shared_semantic``, which are ``None`` without ``redis``.
 """
@@ -115,6 +119,8 @@ def redis_errors(layers: Layers) -> dict[str, int]:
         errors["flights"] = layers.shared_flights.counts["errors"]
     if layers.invalidations is not None:
         errors["invalidations"] = layers.invalidations.counts["errors"]
+        if layers.semantic_invalidations is not None:  # (its records: invalidations too)
+            errors["invalidations"] += layers.semantic_invalidations.counts["errors"]
     if layers.shared_semantic is not None:
         errors["semantic"] = layers.shared_semantic.counts["errors"]
     if layers.shared_idempotency is not None:
@@ -227,11 +233,15 @@ async def invalidate(layers: Layers, spec: Any) -> int:
                 dropped += await layers.store.invalidate(each)
             except StoreUnavailable as error:  # (dropped here; the shared answers stay)
                 missed = error
-            if layers.semantic is not None:
-                try:
+            try:
+                if layers.semantic is not None:
                     dropped += await layers.semantic.invalidate(each)
-                except StoreUnavailable as error:  # (dropped here; the other instances' stay)
-                    missed = error
+                elif layers.semantic_invalidations is not None:
+                    # No semantic cache here, but the other instances' may hold entries with
+                    # their answers, which only this record drops (a fleet mid-change).
+                    await layers.semantic_invalidations.invalidate(each)
+            except StoreUnavailable as error:  # (dropped here; the other instances' stay)
+                missed = error
         if layers.shared_flights is not None:
             # Every instance's, after the store's invalidation has moved Redis's count of them
             # (``RedisStore.invalidate``, first): a call that claims its lock after these marks

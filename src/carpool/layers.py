@@ -8,6 +8,9 @@ Contract:
   as what they are (the same objects as ``store`` and ``semantic``, and the shared side of
   ``idempotency``; ``None`` without ``redis``): what ``/stats``, ``/metrics`` and ``/healthz``
   read of Redis (errors, pool exhaustion, health, stream counts).
+- ``semantic_invalidations``: with ``redis`` and no semantic cache, what publishes this
+  instance's invalidations to the other instances' semantic caches (``SemanticInvalidations``);
+  ``None`` otherwise (a shared semantic cache publishes its own).
 - ``holders``: which replica keeps each stored response, file or batch this process saw
   (``routing.state``), for the follow-ups that only that replica can answer.
 - ``states``: the keys and semantic entries this process stored under each stored response's
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
     from .redis.flights import SharedFlights
     from .redis.idempotency import RedisIdempotencyRecords
     from .redis.invalidation import InvalidationChannel
-    from .redis.semantic import SharedSemanticCache
+    from .redis.semantic import SemanticInvalidations, SharedSemanticCache
     from .routing.replicas import ReplicaSet
     from .semantic.audit import Audits
     from .semantic.cache import SemanticCache
@@ -77,6 +80,7 @@ class Layers:
     invalidations: InvalidationChannel | None = None
     shared_store: SharedStore | None = None
     shared_semantic: SharedSemanticCache | None = None
+    semantic_invalidations: SemanticInvalidations | None = None  # (redis, no semantic cache)
     shared_idempotency: RedisIdempotencyRecords | None = None
     peers: Peers | None = None  # the other workers of this run, without redis
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
@@ -105,6 +109,8 @@ class Layers:
             await self.invalidations.aclose()
         if self.semantic is not None:
             await self.semantic.aclose()
+        if self.semantic_invalidations is not None:
+            await self.semantic_invalidations.aclose()
         if self.judge is not None:
             await self.judge.aclose()
         if self.shared_flights is not None:

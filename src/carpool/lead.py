@@ -196,13 +196,18 @@ class Leader:
                 stored.append(await store(answer))
                 return stored[-1]
 
+            flying = flight_key(key.key, request, self.config)
             answer = await self.shared_flights.run(
                 # (Apart, as here, for a call asked without its usage: ``flight_key``.)
-                flight_key(key.key, request, self.config),
+                flying,
                 broadcast,
                 call,
                 keep,
                 max_age=controls.max_age if controls.may_read else 0,
+                # Another instance's finished call is joined within this instance's window, as
+                # its own are: the window it gives the key, for a call of no duration (the
+                # replayed call's is not known here; the longest any call of the key gets).
+                window=self.flights.windows.window(flying, self.clock.monotonic(), 0.0),
                 linger=not controls.no_store,
                 forget=self.store.forget,
                 # (Asked only of a request that takes any cached answer: its TTL bounds it.)

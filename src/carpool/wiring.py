@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .redis.flights import SharedFlights
     from .redis.idempotency import RedisIdempotencyRecords
     from .redis.invalidation import InvalidationChannel
-    from .redis.semantic import SharedSemanticCache
+    from .redis.semantic import SemanticInvalidations, SharedSemanticCache
     from .redis.store import RedisStore
     from .routing.replicas import ReplicaSet
     from .semantic.cache import SemanticCache
@@ -185,6 +185,7 @@ def build_layers(
         invalidations=invalidations,
         shared_store=_redis_backed_store(config, store),
         shared_semantic=_redis_backed_semantic(config, semantic),
+        semantic_invalidations=build_semantic_invalidations(config, store, semantic),
         shared_idempotency=_redis_backed_idempotency(config, idempotency),
         peers=peers,
         clock=clock,
@@ -321,6 +322,27 @@ def build_invalidations(
         prefix=d.key_prefix,
         socket_timeout=d.timeout,
         retry_interval=d.retry_interval,
+        health=health,
+        owns_client=owned,
+    )
+
+
+def build_semantic_invalidations(
+    config: Config, store: Store, semantic: SemanticCache | None
+) -> SemanticInvalidations | None:
+    """With ``redis`` and no semantic cache: what publishes this instance's invalidations to the
+    semantic caches of the others, which a fleet mid-change may have (their entries held with
+    their answers are dropped by nothing else)."""
+    if not config.redis or semantic is not None:
+        return None
+    from .redis.semantic import SemanticInvalidations
+
+    d = config.distributed
+    redis, health, owned = _shared_redis(config, store)
+    return SemanticInvalidations(
+        redis.client,
+        prefix=d.key_prefix,
+        maxlen=d.stream_maxlen,
         health=health,
         owns_client=owned,
     )

@@ -1250,6 +1250,50 @@ async def test_a_prefix_invalidation_on_one_instance_stops_the_others_older_entr
         assert on_b.json() != old.json()
 
 
+@pytest.mark.parametrize(
+    "selector, headers",
+    [
+        ({"tag": "router"}, {"x-carpool-tags": "router"}),
+        ({"namespace": "support"}, {"x-carpool-namespace": "support"}),
+        ({"all": True}, {}),
+        ({"prefix": "How do I"}, {}),  # the entry's own prompt starts with it
+    ],
+    ids=["tag", "namespace", "all", "own-prefix"],
+)
+async def test_an_invalidation_on_an_instance_without_the_semantic_cache_drops_the_others_entries(
+    fake, shared_redis, selector, headers
+):
+    """A fleet mid-change, the semantic cache on for B only: an invalidation sent to A reaches
+    the entries B holds with their answers, so B serves the old answer neither to the same
+    prompt nor to a paraphrase. (Before, A, without a semantic cache, published no
+    ``invalidate`` record: B served them as semantic hits until their TTL.)"""
+    pytest.importorskip("redis")
+    from conftest import redis_settings, run_gateway
+
+    settings = redis_settings(shared_redis, retry_interval=0.05, connect_timeout=5.0, timeout=5.0)
+    async with (
+        run_gateway([fake.url], admin_token="t", **settings) as a,
+        run_gateway([fake.url], admin_token="t", **settings, **SEMANTIC) as b,
+    ):
+        await asyncio.wait_for(b.gateway.semantic.ready.wait(), 5)
+        first = await ask(b, "How do I reset my router?", headers=headers)
+        await stored(b)  # B holds it with its answer
+        hit = await ask(b, "how can i reset my router", headers=headers)
+        assert hit.headers["x-carpool"] == "semantic-hit"
+        done = await a.client.post("/admin/invalidate", json=selector, headers=ADMIN)
+        assert done.status_code == 200, done.text
+        await eventually(
+            lambda: b.gateway.semantic.counts["invalidations_received"] >= 1,
+            timeout=PROPAGATION,
+            what="the invalidation to reach the instance with the semantic cache",
+        )
+        same = await ask(b, "How do I reset my router?", headers=headers)
+        assert same.headers["x-carpool"] == "miss" and same.json() != first.json()
+        # (The paraphrase may be served the fresh answer, made after the invalidation.)
+        paraphrase = await ask(b, "how can i reset my router", headers=headers)
+        assert paraphrase.json() == same.json() and fake.count() == 2
+
+
 async def test_a_full_redis_takes_an_invalidation_to_the_others_but_no_new_entry(
     two_semantic, fake, shared_redis
 ):

@@ -46,7 +46,12 @@ which coalesces the local flights of every instance:
   (Redis time), and the local flight that replayed it finished then (``Broadcast.replayed``):
   a request that joins it here, while it replays or lingering, gets it only if that age is one
   it accepts (a ``no-cache`` one never does: it makes a fresh call), and it lingers here for
-  what is left of this instance's window since then. The final record says whether the answer
+  what is left of this instance's window since then. A claim replays it only while it is
+  younger than the request's ``max_age`` and than this instance's own window for the key
+  (``window``; 0: none, only a call still running is joined), as a local flight is joinable
+  only within its window: the instances' windows may differ (a fleet mid-change), and the
+  lock lingers for its leader's. (Before, an instance with ``window_ms: 0`` replayed another's
+  call for the whole of that one's window.) The final record says whether the answer
   may linger at all (not a ``no-store`` leader's, nor an answer that is not storable, nor a
   call set aside by an invalidation): a
   follower's local flight lingers only if it may.
@@ -310,6 +315,7 @@ class SharedFlights:
         store: Store,
         *,
         max_age: float | None = None,
+        window: float | None = None,
         linger: bool = True,
         forget: Forget | None = None,
         load: Load | None = None,
@@ -319,7 +325,9 @@ class SharedFlights:
         failing, join timeout) computed and stored here alone.
 
         ``max_age``: how long ago a finished call may have ended to be replayed (None: within
-        the window; 0: only a call still running is joined). ``linger``: whether this
+        the window; 0: only a call still running is joined). ``window``: this instance's own
+        window for the key (s; None: unbounded): a finished call that ended longer ago is not
+        replayed either, whatever the window its lock lingers for. ``linger``: whether this
         instance's answer may be replayed once finished (False for ``no-store``). ``forget``:
         takes back what ``store`` stored (the key it returned), when an invalidation came.
         ``load``: the answer stored for ``key``, asked when a claim finds no call running but
@@ -335,6 +343,10 @@ class SharedFlights:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.join_timeout
         age_ms = -1 if max_age is None else int(max_age * 1000)
+        if window is not None:
+            # Bounded by this instance's window too, as its own finished calls are (a fleet
+            # mid-change: the leader's window may be longer, its lock lingering for it).
+            age_ms = int(window * 1000) if age_ms < 0 else min(age_ms, int(window * 1000))
         deaths = 0  # leaders followed that died or left
         for _ in range(MAX_TAKEOVERS + 1):
             token = secrets.token_hex(8)

@@ -44,6 +44,11 @@ Contract:
   Redis (``maxmemory``, ``noeviction``) takes ``invalidate`` records still (a script that may
   run then: ``ALWAYS_APPEND``), not ``put`` records (``RedisFull``: counted by the health, the
   instance not degraded; the entry stays local).
+- An instance with ``redis`` but without a semantic cache (a fleet mid-change: the cache turned
+  on, or off, one instance at a time) publishes the same ``invalidate`` records, with no
+  embedder (``SemanticInvalidations``, from ``admin.invalidate``; failing as above): the entries
+  the others hold with their answers go wherever the invalidation was sent. (Before, such an
+  instance wrote none, and the others served them as semantic hits until their TTL.)
 - Redis never fails a request: a failed publish is counted (``errors``) and reported to the
   shared store's health (``SharedStore.report``: /stats, /healthz, degraded mode, the log); while
   that health says Redis is not to be tried, nothing is published (local-only behaviour). The
@@ -284,25 +289,10 @@ class SharedSemanticCache(SemanticCache):
         record was not published)."""
         self.start()
         dropped = await super().invalidate(selector)
-        if selector.everything:
-            sel, val = "all", ""
-        elif selector.tag is not None:
-            sel, val = "tag", selector.tag
-        elif selector.namespace is not None:
-            sel, val = "namespace", selector.namespace
-        elif selector.prefix is not None:
-            sel, val = "prefix", selector.prefix
-        else:
+        record = invalidate_record(self.instance, selector)
+        if record is None:
             return dropped
-        published = await self._publish(
-            {
-                b"op": b"invalidate",
-                b"src": self.instance,
-                b"sel": sel.encode(),
-                b"val": val.encode(),
-            },
-            always=True,
-        )
+        published = await self._publish(record, always=True)
         if not published:  # (dropped here only: the other instances keep theirs)
             raise StoreUnavailable(
                 "the semantic invalidate record did not reach Redis: the other instances keep "
@@ -462,6 +452,75 @@ class SharedSemanticCache(SemanticCache):
             self.health.report(error)
         else:
             log.debug("shared semantic cache: %s", error)
+
+
+def invalidate_record(instance: bytes, selector: Selector) -> dict[bytes, bytes] | None:
+    """The stream's ``invalidate`` record of ``selector``, from ``instance``; None for a
+    selector that names nothing."""
+    if selector.everything:
+        sel, val = "all", ""
+    elif selector.tag is not None:
+        sel, val = "tag", selector.tag
+    elif selector.namespace is not None:
+        sel, val = "namespace", selector.namespace
+    elif selector.prefix is not None:
+        sel, val = "prefix", selector.prefix
+    else:
+        return None
+    return {b"op": b"invalidate", b"src": instance, b"sel": sel.encode(), b"val": val.encode()}
+
+
+class SemanticInvalidations:
+    """The ``invalidate`` records of an instance without a semantic cache, on the stream
+    ``P semantic`` the others' caches read (the module's contract): it holds no entry itself,
+    so it reads nothing, embeds nothing and drops nothing here. ``client``, ``health``: the
+    shared store's; ``owns_client``: ``aclose`` closes the client."""
+
+    def __init__(
+        self,
+        client: aredis.Redis,
+        *,
+        prefix: str = "carpool:",
+        maxlen: int = 10_000,
+        health: Health | None = None,
+        owns_client: bool = False,
+    ) -> None:
+        self.stream = prefix + "semantic"
+        self.instance = secrets.token_hex(8).encode()
+        self.maxlen = maxlen
+        self.health = health
+        self.counts = {"published": 0, "errors": 0}
+        self._client = client
+        self._owns_client = owns_client
+
+    def __repr__(self) -> str:
+        return f"<SemanticInvalidations stream={self.stream!r} instance={self.instance.decode()}>"
+
+    async def invalidate(self, selector: Selector) -> None:
+        """Publish ``selector``'s ``invalidate`` record; ``StoreUnavailable`` when Redis did not
+        take it (or the health says it is not to be tried): the others keep their entries."""
+        record = invalidate_record(self.instance, selector)
+        if record is None:
+            return
+        if self.health is not None and not self.health.usable():
+            raise StoreUnavailable("redis degraded: the semantic invalidate record is not sent")
+        try:
+            with _unavailable("publish a semantic invalidation"):
+                pairs = [part for pair in record.items() for part in pair]
+                # (A full Redis takes it too: the others must drop their entries.)
+                await self._client.eval(ALWAYS_APPEND, 1, self.stream, self.maxlen, *pairs)
+        except StoreUnavailable as error:
+            self.counts["errors"] += 1
+            if self.health is not None:
+                self.health.report(error)
+            raise
+        self.counts["published"] += 1
+        if self.health is not None:
+            self.health.report(None)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
 
 
 def _times(
