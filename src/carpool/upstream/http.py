@@ -26,7 +26,9 @@ Contract (on top of ``upstream.base``):
   which each byte is news; so does a worker's relay of another worker's stream
   (``sse_payloads``), whose own call is bounded so.
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
-  replica, opened on first use, with the same limits; an answer's connection is let go once
+  replica, opened on first use, with the same limits and no cookie jar (an upstream's
+  ``Set-Cookie`` is relayed to the client it answered, never kept and sent on another's call:
+  a client's ``Cookie`` reaches the upstream as it sent it, and only its own); an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not:
   aborted then if its body had not come to its end (its client left: the engine stops; over
   TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
@@ -387,6 +389,11 @@ class HttpUpstream:
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                # No cookie jar: aiohttp's default kept every ``Set-Cookie`` of an upstream
+                # named by host name and sent it on every later call, one tenant's session on
+                # another tenant's call, in place of a client's own cookie of that name. A
+                # cookie is its client's: relayed to it, and back only when it sends it.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 

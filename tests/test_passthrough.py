@@ -1,0 +1,76 @@
+"""Pass-through (what the gateway relays without caching: ``/v1/files``, ``/v1/models``, any
+other ``/v1`` path) keeps each call its own client's, and relays its bytes as they came.
+
+1. No upstream cookie outlives its answer: one tenant's ``Set-Cookie`` never reaches another
+   tenant's call, nor replaces a cookie a client sent itself; a cached endpoint's answer never
+   stores nor serves one.
+2. An answer relayed unchanged keeps its ``Content-Length`` (a HEAD's too); an upstream that cuts
+   its body short still breaks its client's transfer.
+3. A request body goes to the upstream as it comes, not once the gateway has all of it.
+
+Everything talks HTTP to a real gateway on loopback in front of ``fakes.raw_upstream``, reached
+as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those of a bare IP.
+"""
+
+from __future__ import annotations
+
+from conftest import run_gateway
+from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
+
+SESSION = (b"set-cookie", b"session=A; Path=/")
+
+
+def by_name(url: str) -> str:
+    """``url`` with its host named as a real upstream's is (api.openai.com, vllm.internal)."""
+    return url.replace("127.0.0.1", "localhost")
+
+
+# --- 1. no upstream cookie outlives its answer -----------------------------------------------
+
+
+async def test_one_tenants_upstream_cookie_never_reaches_another_tenants_call():
+    """The pass-through session kept aiohttp's cookie jar: tenant A's ``Set-Cookie`` went on every
+    later call, tenant B's among them, and in place of tenant C's own cookie of that name."""
+
+    def respond(call: RawCall) -> bytes:
+        if call.line.startswith("GET /v1/login"):
+            return raw_answer(200, b"OK", b"{}", headers=(SESSION,))
+        return raw_answer(200, b"OK", b"{}")
+
+    async with raw_upstream(respond) as upstream, run_gateway([by_name(upstream.url)]) as gw:
+        a = await gw.client.get("/v1/login", headers={"Authorization": "Bearer sk-tenant-a"})
+        gw.client.cookies.clear()  # (the test's client has a jar of its own: B is another)
+        b = await gw.client.get("/v1/models", headers={"Authorization": "Bearer sk-tenant-b"})
+        c = await gw.client.get(
+            "/v1/models", headers={"Authorization": "Bearer sk-tenant-c", "Cookie": "session=C"}
+        )
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.headers.get("set-cookie") == "session=A; Path=/"  # (A's own: relayed to A)
+    _, to_b, to_c = upstream.calls
+    assert to_b.headers["authorization"] == "Bearer sk-tenant-b"
+    assert "cookie" not in to_b.headers, to_b.headers
+    assert to_c.headers.get("cookie") == "session=C", to_c.headers
+
+
+async def test_a_cached_answers_upstream_cookie_is_never_stored_nor_sent_again():
+    """A cached endpoint's answer carries only its content type from the upstream: a
+    ``Set-Cookie`` on it is neither served (on the miss, nor on the hit another client gets) nor
+    sent back to the upstream on a later call."""
+    body = chat_completion("hello")
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", body, headers=(SESSION,))
+
+    chat = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    async with raw_upstream(respond) as upstream, run_gateway([by_name(upstream.url)]) as gw:
+        miss = await gw.client.post("/v1/chat/completions", json=chat)
+        gw.client.cookies.clear()  # (the test's client has a jar of its own)
+        hit = await gw.client.post("/v1/chat/completions", json=chat)
+        other = await gw.client.post("/v1/chat/completions", json={**chat, "seed": 2})
+    assert miss.headers["x-carpool"] == "miss" and hit.headers["x-carpool"] == "hit"
+    assert other.status_code == 200
+    for response in (miss, hit, other):
+        assert "set-cookie" not in response.headers, response.headers
+    assert len(upstream.calls) == 2
+    assert all("cookie" not in call.headers for call in upstream.calls), upstream.calls
