@@ -14,6 +14,11 @@ as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those
 
 from __future__ import annotations
 
+import gzip
+
+import httpx
+import pytest
+
 from conftest import run_gateway
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
@@ -74,3 +79,57 @@ async def test_a_cached_answers_upstream_cookie_is_never_stored_nor_sent_again()
         assert "set-cookie" not in response.headers, response.headers
     assert len(upstream.calls) == 2
     assert all("cookie" not in call.headers for call in upstream.calls), upstream.calls
+
+
+# --- 2. an answer relayed unchanged keeps its Content-Length ---------------------------------
+
+
+async def test_a_passthrough_answer_keeps_its_content_length_a_heads_too():
+    """A file's content (or a HEAD on it) came with ``Content-Length``; the gateway dropped it
+    with the framing: the client got a chunked answer of unknown size, and a HEAD said nothing
+    of the size. A coded answer is relayed as its bytes came: its length is theirs."""
+    body = b"x" * 1000
+    coded = gzip.compress(b'{"data": []}' * 100)
+
+    def respond(call: RawCall) -> bytes:
+        if "/gzipped" in call.line:
+            zipped = ((b"content-encoding", b"gzip"),)
+            return raw_answer(200, b"OK", coded, b"application/json", headers=zipped)
+        if "/unchanged" in call.line:  # (a 304 may give the length of the body it does not send)
+            return raw_answer(304, b"Not Modified", body)[: -len(body)]
+        data = raw_answer(200, b"OK", body, b"application/octet-stream")
+        return data[: -len(body)] if call.line.startswith("HEAD") else data
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        got = await gw.client.get("/v1/files/f1/content")
+        head = await gw.client.head("/v1/files/f1/content")
+        zipped = await gw.client.get("/v1/files/gzipped", headers={"accept-encoding": "gzip"})
+        unchanged = await gw.client.get("/v1/files/unchanged", headers={"if-none-match": '"1"'})
+        after = await gw.client.get("/v1/files/f1/content")  # (the connection still framed)
+    assert got.status_code == 200 and got.content == body
+    assert got.headers.get("content-length") == "1000", dict(got.headers)
+    assert "transfer-encoding" not in got.headers
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers.get("content-length") == "1000", dict(head.headers)
+    assert zipped.headers.get("content-encoding") == "gzip"
+    assert zipped.headers.get("content-length") == str(len(coded)), dict(zipped.headers)
+    assert zipped.content == b'{"data": []}' * 100  # (decoded by the test's client)
+    assert unchanged.status_code == 304 and unchanged.content == b""
+    assert after.status_code == 200 and after.content == body
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_passthrough_answer_its_upstream_cuts_mid_body_breaks_its_clients_transfer(framing):
+    """Whatever the upstream's framing, an answer cut after half its body never reaches its
+    client as a whole one (a chunked end, or as many bytes as its Content-Length said)."""
+    half = b"y" * 50_000
+
+    def respond(call: RawCall) -> tuple[bytes, bool]:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+        if framing == "chunked":
+            return head + b"transfer-encoding: chunked\r\n\r\n%x\r\n" % len(half) + half, True
+        return head + b"content-length: 100000\r\n\r\n" + half, True
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await gw.client.get("/v1/files/f1/content")

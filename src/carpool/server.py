@@ -733,11 +733,13 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             return _carpool_error(error)
         response = _Relay(upstream, scope.get(CUT))
         # One x-request-id per response, the gateway's: the upstream's own is kept under
-        # another name (the only answers whose headers the gateway did not write).
+        # another name (the only answers whose headers the gateway did not write). Its
+        # ``Content-Length`` stays (``upstream.http``: the bytes go out as they came); a body
+        # cut short of it still cuts the client's connection (``_Relay``).
         response.raw_headers = [
             (UPSTREAM_HEADER, value) if name.lower() == HEADER else (name, value)
             for name, value in upstream.headers
-            if name.lower() not in (b"content-length", b"transfer-encoding")
+            if name.lower() != b"transfer-encoding"
         ]
         return response
 

@@ -101,7 +101,7 @@ Contract (on top of ``upstream.base``):
   1xx, 600-999: ``UpstreamBadStatus``), both a 502; a 304 is relayed (a conditional GET's).
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
-  names) and, with a credential the gateway holds, what the upstream
+  names; ``Transfer-Encoding`` among them) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
   carry only their content type from the upstream (none when it named none), a whole
   answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
@@ -121,7 +121,9 @@ Contract (on top of ``upstream.base``):
   streaming client's error event), its connection closed: never relayed nor stored; but a
   refusal (not 2xx) so coded keeps its status and when to retry, its text the gateway's own
   error naming the coding (a 429 stays one the SDKs retry). Pass-through is left as it is: it relays the
-  bytes with their ``content-encoding`` as they came. Likewise a
+  bytes with their ``content-encoding`` as they came, and so with their ``Content-Length``
+  (a HEAD's too; not one beside a ``Transfer-Encoding``, which says nothing of the body, nor
+  a 204's or 304's, which have none). Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
   endpoint's call, whose body is the gateway's own serialization, carries none.
 """
@@ -167,13 +169,13 @@ from .base import (
     connection_listed,
 )
 
-# Response headers not relayed by pass-through: the framing (the ASGI server frames the body
-# itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616 13.5.1's list), which
-# describe the upstream's connection to the gateway, not the gateway's to its client; so are
-# those the answer's own ``Connection`` names.
+# Response headers not relayed by pass-through: the chunked framing (the ASGI server frames a
+# body of unknown length itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616
+# 13.5.1's list), which describe the upstream's connection to the gateway, not the gateway's to
+# its client; so are those the answer's own ``Connection`` names. ``Content-Length`` is relayed
+# (a file's size, a HEAD's answer): the body goes out as its bytes came, never re-coded.
 NOT_RELAYED = frozenset(
     {
-        "content-length",
         "transfer-encoding",
         "connection",
         "keep-alive",
@@ -193,6 +195,8 @@ NOT_RELAYED = frozenset(
 # on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# The statuses whose answer never has a body (RFC 9110 6.4.1): no ``Content-Length`` relayed.
+_BODILESS = frozenset({204, 304})
 
 # The most bytes a coded whole answer may decode to (``_decoded``). The gateway sets no limit on
 # an answer as it comes (identity), but a few KiB of gzip can inflate to gigabytes; this is well
@@ -620,6 +624,11 @@ class HttpUpstream:
         named = response.headers.getall("connection", ())
         if named:
             dropped = dropped | connection_listed({"connection": ",".join(named)})
+        if "transfer-encoding" in response.headers or response.status in _BODILESS:
+            # A length beside a chunked framing says nothing of the body (RFC 9112 6.3: the
+            # server frames the client's answer then); a 304's is the size of a body not sent
+            # (RFC 9110 8.6), which the ASGI server would wait for and, not seeing it, fail.
+            dropped = dropped | {"content-length"}
         relayed = [
             (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
         ]
