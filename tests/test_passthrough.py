@@ -14,14 +14,16 @@ as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 
 import httpx
 import pytest
 
-from conftest import run_gateway
+from conftest import Served, run_gateway
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
+from fakes.waiting import eventually
 
 SESSION = (b"set-cookie", b"session=A; Path=/")
 
@@ -133,3 +135,125 @@ async def test_a_passthrough_answer_its_upstream_cuts_mid_body_breaks_its_client
     async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
         with pytest.raises(httpx.RemoteProtocolError):
             await gw.client.get("/v1/files/f1/content")
+
+
+# --- 3. a request body goes to the upstream as it comes --------------------------------------
+
+UPLOADED = raw_answer(200, b"OK", b'{"id": "file-1", "object": "file"}')
+PIECE = 2**20
+
+
+async def test_a_large_passthrough_upload_reaches_the_upstream_while_its_client_still_sends_it():
+    """A 32 MiB upload to /v1/files: the gateway read the whole body into memory (its pieces,
+    then joined: twice its size) before it even opened the upstream call. It goes on as it
+    comes, with the length its client declared, byte for byte."""
+    size = 32 * PIECE
+    upstream_had_it_mid_upload: bool | None = None
+
+    async with raw_upstream(lambda call: UPLOADED) as upstream:
+
+        async def body():
+            nonlocal upstream_had_it_mid_upload
+            for i in range(size // PIECE):
+                if i == size // PIECE // 2:  # half sent: has the upstream call begun?
+                    try:
+                        await asyncio.wait_for(upstream.headed.wait(), 10)
+                        upstream_had_it_mid_upload = True
+                    except TimeoutError:
+                        upstream_had_it_mid_upload = False
+                yield bytes([i]) * PIECE
+
+        async with run_gateway([upstream.url], limits={"max_body_bytes": 2 * size}) as gw:
+            response = await gw.client.post(
+                "/v1/files",
+                content=body(),
+                headers={"content-type": "application/octet-stream", "content-length": str(size)},
+            )
+    assert response.status_code == 200, response.text
+    assert upstream_had_it_mid_upload, "the upstream saw nothing until the whole body was in"
+    (call,) = upstream.calls
+    assert call.headers.get("content-length") == str(size)
+    assert "transfer-encoding" not in call.headers
+    assert call.data == b"".join(bytes([i]) * PIECE for i in range(size // PIECE))
+
+
+async def test_a_large_chunked_passthrough_upload_reaches_the_upstream_chunked():
+    """Its length unknown until its end, a chunked body goes on chunked (buffered to learn its
+    length, it would be held whole in memory again)."""
+    pieces = [bytes([i]) * PIECE for i in range(4)]
+
+    async def body():
+        for piece in pieces:
+            yield piece
+
+    async with raw_upstream(lambda call: UPLOADED) as upstream, run_gateway([upstream.url]) as gw:
+        response = await gw.client.post("/v1/files", content=body())  # (httpx: chunked)
+    assert response.status_code == 200, response.text
+    (call,) = upstream.calls
+    assert call.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in call.headers
+    assert call.data == b"".join(pieces)
+
+
+async def test_a_streamed_upload_past_max_body_bytes_is_413_and_the_upstream_never_gets_it_whole():
+    """Chunked, its size unknown until it is read: refused at the piece that passes the limit,
+    the upstream's connection is cut there (never a body ended as if whole)."""
+
+    async def body():
+        for i in range(8):
+            yield bytes([i]) * PIECE
+
+    limits = {"max_body_bytes": 3 * PIECE}
+    async with (
+        raw_upstream(lambda call: UPLOADED) as upstream,
+        run_gateway([upstream.url], limits=limits) as gw,
+    ):
+        response = await gw.client.post("/v1/files", content=body())
+        after = await gw.client.get("/v1/models")  # (the replica stays in rotation)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "body_too_large"
+    assert [call.line for call in upstream.calls] == ["GET /v1/models HTTP/1.1"]
+    assert after.status_code == 200
+
+
+async def open_upload(
+    gw: Served, size: int, sent: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client that declares a ``size``-byte upload to /v1/files and sends ``sent`` bytes."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b"POST /v1/files HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % size
+    writer.write(head + b"z" * sent)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_leaves_mid_upload_takes_its_call_with_it():
+    """Its body half sent, the client goes: the upstream's connection is closed (the body never
+    ended as if whole), and the replica, which did nothing wrong, stays in rotation."""
+    async with raw_upstream(lambda call: UPLOADED) as upstream, run_gateway([upstream.url]) as gw:
+        _, writer = await open_upload(gw, 8 * PIECE, 4 * PIECE)
+        await asyncio.wait_for(upstream.headed.wait(), 10)  # (the call under way)
+        writer.close()
+        await eventually(lambda: upstream.ended == 1, what="the upstream's connection closed")
+        after = await gw.client.get("/v1/models")
+        state = gw.gateway.replicas.snapshot()[upstream.url]["state"]
+    assert upstream.calls[0].line == "GET /v1/models HTTP/1.1" and len(upstream.calls) == 1
+    assert after.status_code == 200 and state == "healthy"
+
+
+async def test_a_client_that_stops_sending_mid_upload_is_408_and_the_upstream_never_gets_it_whole():
+    """``limits.body_read_timeout`` covers the whole body, streamed or not: the client that
+    stalls halfway is answered 408 (its connection closed) and the upstream's call is cut."""
+    limits = {"body_read_timeout": 0.5}
+    async with (
+        raw_upstream(lambda call: UPLOADED) as upstream,
+        run_gateway([upstream.url], limits=limits) as gw,
+    ):
+        reader, writer = await open_upload(gw, 8 * PIECE, 4 * PIECE)
+        answer = await asyncio.wait_for(reader.read(), 10)  # (to the connection's end)
+        writer.close()
+        await eventually(lambda: upstream.ended == 1, what="the upstream's connection closed")
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"body_timeout" in answer and b"connection: close" in answer.lower()
+    assert upstream.calls == []

@@ -125,7 +125,13 @@ Contract (on top of ``upstream.base``):
   (a HEAD's too; not one beside a ``Transfer-Encoding``, which says nothing of the body, nor
   a 204's or 304's, which have none). Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
-  endpoint's call, whose body is the gateway's own serialization, carries none.
+  endpoint's call, whose body is the gateway's own serialization, carries none. A large one
+  (``upstream.base.RequestBody``: its pieces as they come from the client) is sent as it is
+  read, with the ``Content-Length`` its client declared, else chunked (its length is known
+  only at its end; buffered to learn it, it would be held whole in memory again). Its
+  client's failure as it is read (past ``limits.max_body_bytes`` or
+  ``limits.body_read_timeout``: a ``RequestError``) is raised as it is, not as the
+  upstream's: the call's connection closed, the body never ended as if whole.
 """
 
 from __future__ import annotations
@@ -145,6 +151,7 @@ from yarl import URL
 from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
+    RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
     UpstreamContentCoding,
@@ -164,6 +171,7 @@ from . import wire
 from .base import (
     NOT_FORWARDED,
     PassthroughResponse,
+    RequestBody,
     UpstreamRequest,
     UpstreamResponse,
     connection_listed,
@@ -550,7 +558,7 @@ class HttpUpstream:
         return UpstreamAnswerCut(f"upstream {self.label} failed mid-answer ({error.reason})")
 
     async def _open(
-        self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
+        self, method: str, url: str | URL, body: RequestBody | None, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
@@ -570,6 +578,11 @@ class HttpUpstream:
             # may be running it: never tried elsewhere (the method may not be idempotent).
             raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
+            if isinstance(exc.__cause__, RequestError):
+                # The body's own failure as it was sent (its client's: past the limits), not
+                # the upstream's: the call is given up (its connection closed, the body cut
+                # short of its end), the client told, the replica not blamed.
+                raise exc.__cause__ from None
             # The connection closed or reset once made, before a byte of answer: as above.
             raise UpstreamNoAnswer(
                 f"upstream {self.label} gave no answer ({reason(exc)})", dropped=True
@@ -584,7 +597,7 @@ class HttpUpstream:
         return response
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         out_headers = forwarded_headers(headers)
         listed = connection_listed(headers)  # (hop-by-hop, for this request)
@@ -595,6 +608,11 @@ class HttpUpstream:
         out_headers = {name: _as_sent(value) for name, value in out_headers.items()}
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
+        if not isinstance(body, bytes) and "content-length" in headers:
+            # A body going on as it comes keeps the length its client declared (the server
+            # read it so: never more, nor less unless the client left, the call cut then);
+            # without one (chunked) it goes chunked: its length is not known before its end.
+            out_headers["content-length"] = headers["content-length"]
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
         path = confine(b"/v1" + path.encode("ascii", "replace"))
         # As ``send`` builds a cached endpoint's target: the base URL's path, then its query and
