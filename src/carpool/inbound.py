@@ -5,6 +5,15 @@ Contract:
 - ``read_body(receive, headers, limit, deadlines)``: the whole body of an ASGI request (None: the
   client left first), within ``limit`` bytes (``BodyTooLarge``, before reading past a declared
   ``content-length`` over it) and ``deadlines.timeout`` seconds (``BodyTimeout``).
+- ``read_upload(...)``: a pass-through body, under the same two limits: whole (bytes) when it
+  ends within ``STREAMED_FROM`` bytes; else an ``Upload``, the rest of it read as the upstream
+  call sends it (never held whole in memory: a file's upload of hundreds of MiB held twice its
+  size). Its limits hold as it is read: past ``limit`` bytes, ``BodyTooLarge``; the time its
+  client takes to send it (the waits for its next piece: not the upstream's taking it) at most
+  ``deadlines.timeout`` seconds in all, ``BodyTimeout``; raised into whoever reads it, which
+  gives up the call. Its end (or failure) is told (``ended``, ``done``: from then on the
+  client's connection may be watched for its leaving); a client that leaves mid-body is told
+  (``left``) and the read fails (``ClientLeft``).
 - ``Deadlines``: one timer for every body being read, rather than one per request.
 - ``ClientWatch``: cancels a request's task if its client leaves while it waits or streams
   (``start``), never after its reply is complete (``stop``); ``left`` is told when the client
@@ -18,12 +27,16 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from .errors import BodyTimeout, BodyTooLarge
 
-__all__ = ["ClientWatch", "Deadlines", "ReceiveWatch", "read_body"]
+__all__ = ["ClientWatch", "Deadlines", "ReceiveWatch", "Upload", "read_body", "read_upload"]
+
+# A pass-through body is read whole up to this many bytes (what nearly every call's is: a
+# batch, a moderation); past it, the rest goes to the upstream as it comes (``read_upload``).
+STREAMED_FROM = 1024 * 1024
 
 
 class ClientWatch:
@@ -113,9 +126,14 @@ class ReceiveWatch(ClientWatch):
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
-                self.gone = self.started = True
-                self._cancel()
+                self.went()
                 return
+
+    def went(self) -> None:
+        """The client is gone (its disconnect read here, or by an ``Upload``): the request's
+        task cancelled, whether the watch was started or not."""
+        self.gone = self.started = True
+        self._cancel()
 
 
 async def read_body(
@@ -148,6 +166,133 @@ async def read_body(
         raise BodyTimeout(deadlines.timeout) from None
     finally:
         deadlines.leave(task)
+
+
+async def read_upload(
+    receive: Any,
+    headers: Mapping[str, str],
+    limit: int,
+    deadlines: Deadlines,
+    ended: Callable[[], None],
+    left: Callable[[], None],
+) -> bytes | Upload | None:
+    """A pass-through body (None: the client left first): whole when it ends within
+    ``STREAMED_FROM`` bytes, else an ``Upload`` of what was read and the rest to come (see the
+    module doc); ``ended`` and ``left`` are the ``Upload``'s."""
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    parts: list[bytes] = []
+    size = 0
+    task = deadlines.enter()
+    loop = task.get_loop()
+    began = loop.time()
+    try:
+        while size < STREAMED_FROM:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+    except asyncio.CancelledError:
+        if not deadlines.expired(task) or task.cancelling() > 1:
+            raise  # not (only) ours: a shutdown, say
+        task.uncancel()  # we did it: the deadline passed
+        raise BodyTimeout(deadlines.timeout) from None
+    finally:
+        deadlines.leave(task)
+    left_s = deadlines.timeout - (loop.time() - began)
+    return Upload(receive, parts, size, limit, deadlines.timeout, left_s, ended, left)
+
+
+class ClientLeft(Exception):
+    """The client left before its body's end (``Upload``): the call it was for is given up."""
+
+
+class Upload:
+    """The rest of a pass-through body, read as it is iterated, once (``read_upload``): what was
+    read already first, then each piece as it comes. ``done`` is set once it ends or fails."""
+
+    __slots__ = (
+        "receive",
+        "read",
+        "size",
+        "limit",
+        "timeout",
+        "left_s",
+        "ended",
+        "left",
+        "done",
+        "begun",
+    )
+
+    def __init__(
+        self,
+        receive: Any,
+        read: list[bytes],
+        size: int,
+        limit: int,
+        timeout: float,
+        left_s: float,
+        ended: Callable[[], None],
+        left: Callable[[], None],
+    ) -> None:
+        self.receive = receive
+        self.read = read
+        self.size = size
+        self.limit = limit
+        self.timeout = timeout  # (``limits.body_read_timeout``, for its error)
+        self.left_s = left_s  # what is left of it for the client to send the rest in
+        self.ended = ended
+        self.left = left
+        self.done = asyncio.Event()
+        self.begun = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        if self.begun:
+            raise RuntimeError("an upload is read once")
+        self.begun = True
+        try:
+            read, self.read = self.read, []
+            for piece in read:
+                if piece:
+                    yield piece
+            del read
+            loop = asyncio.get_running_loop()
+            while True:
+                # (Only the client's time counts: not the upstream's taking the pieces.)
+                asked = loop.time()
+                try:
+                    async with asyncio.timeout(max(self.left_s, 0)):
+                        message = await self.receive()
+                except TimeoutError:
+                    raise BodyTimeout(self.timeout) from None
+                self.left_s -= loop.time() - asked
+                if message["type"] == "http.disconnect":
+                    self.left()
+                    raise ClientLeft()
+                chunk = message.get("body", b"")
+                self.size += len(chunk)
+                if self.size > self.limit:
+                    raise BodyTooLarge(self.limit)
+                more = message.get("more_body", False)
+                if not more:
+                    self.done.set()
+                    self.ended()
+                if chunk:
+                    yield chunk
+                if not more:
+                    return
+        finally:
+            self.done.set()
 
 
 class Deadlines:

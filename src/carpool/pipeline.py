@@ -158,7 +158,7 @@ from .routing.state import answer_names, learning, path_deleted, path_state, pos
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING, Budget
 from .state_index import Held
 from .store.base import Entry, StoreUnavailable, state_tag
-from .upstream.base import PassthroughResponse
+from .upstream.base import PassthroughResponse, RequestBody
 
 if TYPE_CHECKING:
     from .layers import Layers
@@ -715,7 +715,7 @@ class Gateway:
             self.metrics.observe(outcome, seconds)
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         """Any other ``/v1/...`` call, forwarded unchanged to a replica and never cached.
         ``path`` is relative to the upstream's /v1 and already confined (``carpool.paths``);

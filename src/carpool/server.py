@@ -9,7 +9,13 @@ Contract:
   trickles in must not hold a connection forever), hand it to the pipeline, send the ``Reply``
   (a whole one longer than a slice, ``reply.SLICE_BYTES``, in slices: the server's flow
   control then holds a slice for a client that does not read, not the whole answer).
-  Pass-through and admin bodies are read under the same two limits.
+  Pass-through and admin bodies are read under the same two limits; a pass-through body past
+  ``inbound.STREAMED_FROM`` (1 MiB) goes to the upstream as it comes (``inbound.read_upload``),
+  never held whole, but where routing reads it (``routing.state.reads_body``: a
+  ``POST /batches``): past either limit as it goes, the call is cut (its upstream never gets
+  the body whole) and the client answered 413 or 408; a client that leaves before its body's
+  end takes its call with it. Its connection is watched for its leaving only from that end
+  on (``_Relay`` too: an upstream may answer before it).
 - Under ``carpool serve``, a small request to a cached endpoint is served below ASGI by the HTTP
   protocol (``http_protocol.py``): a byte-identical repeat whose answer is stored through
   ``answer_now``, the rest through ``serve``, which is this path's own after the body is read:
@@ -48,7 +54,8 @@ Contract:
   (ASGI ``raw_path``) by ``paths.confine`` (dot segments, encoded separators, control characters,
   empty segments: 400; outside ``passthrough.allow``: 403) before anything is read or sent; what
   is forwarded is the upstream's base URL plus the confined relative path, and the query string
-  as it came. A pass-through answer its upstream cuts after its head (``UpstreamAnswerCut``,
+  as it came. A pass-through answer keeps its upstream's ``Content-Length``
+  (``upstream.http``). A pass-through answer its upstream cuts after its head (``UpstreamAnswerCut``,
   logged by ``ReplicaSet.passthrough`` as the upstream's) is cut for its client too: its
   connection closed, never its body ended as if whole; not logged as a failure of the
   gateway's (under carpool's HTTP protocol, ``CUT``; uvicorn's own logs that a response was
@@ -142,7 +149,7 @@ from .errors import (
     ShuttingDown,
     UpstreamError,
 )
-from .inbound import ClientWatch, Deadlines, ReceiveWatch, read_body
+from .inbound import ClientWatch, Deadlines, ReceiveWatch, Upload, read_body, read_upload
 from .logs import configure as configure_logging
 from .metrics import COUNTED, COUNTED_ELSEWHERE, Counted
 from .openapi import document as openapi_document
@@ -155,6 +162,7 @@ from .reply import SLICE_BYTES, refusal
 from .request import ENDPOINTS, TEXT_HEADERS, ClientRequest, header_text
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, UPSTREAM_HEADER, request_id
+from .routing.state import reads_body
 from .upstream.base import PassthroughResponse
 from .wiring import build_gateway
 
@@ -473,10 +481,20 @@ class _Relay(StreamingResponse):
     cut, its client gone before or during the body), the answer is closed: its replica's count
     of calls in flight goes back down, its connection is let go."""
 
-    def __init__(self, answer: PassthroughResponse, cut: Any) -> None:
+    def __init__(
+        self, answer: PassthroughResponse, cut: Any, uploaded: asyncio.Event | None = None
+    ) -> None:
         super().__init__(answer.body, answer.status)
         self.answer = answer
         self.cut: Callable[[], None] | None = cut
+        self.uploaded = uploaded
+
+    async def listen_for_disconnect(self, receive: Any) -> None:
+        # (Its request's body still going to the upstream, ``inbound.Upload`` reads the
+        # connection until its end: Starlette's listener would take, and drop, its pieces.)
+        if self.uploaded is not None:
+            await self.uploaded.wait()
+        await super().listen_for_disconnect(receive)
 
     async def stream_response(self, send: Any) -> None:  # (Starlette's, but for a cut)
         try:
@@ -707,17 +725,31 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         try:
             path = scope[CONFINED]  # judged by GatewayApp before routing
             headers = _decoded(scope["headers"])  # (a header's repeated lines, joined)
-            body = await body_of(request)
-            if body is None:
-                return Response(status_code=499)  # the client left
-            # Watched from now on, its whole body read (waiting for the answer is no leaving):
-            # a client gone before its answer takes its call with it, as a cached endpoint's
-            # last client does, or the call held its upstream and its replica's slot until the
+            # Watched once its whole body is read (waiting for the answer is no leaving): a
+            # client gone before its answer takes its call with it, as a cached endpoint's last
+            # client does, or the call held its upstream and its replica's slot until the
             # upstream answered or ``limits.upstream_timeout`` passed, and a shutdown's drain
             # waited for it. Once the answer is relayed, the relay sees its client go
             # (``_Relay``).
             watch = ReceiveWatch(request.receive)
-            watch.start()
+            body: bytes | Upload | None
+            if reads_body(request.method, path):  # (routing reads it: whole, never large)
+                body = await body_of(request)
+            else:
+                # A large body (a file's) goes on as it comes (``inbound.read_upload``), its
+                # client watched from its end on, and gone before it, its call cancelled.
+                body = await read_upload(
+                    request.receive,
+                    request.headers,
+                    limits.max_body_bytes,
+                    deadlines,
+                    ended=watch.start,
+                    left=watch.went,
+                )
+            if body is None:
+                return Response(status_code=499)  # the client left
+            if isinstance(body, bytes):
+                watch.start()
             try:
                 upstream = await gateway.passthrough(
                     request.method, path, scope.get("query_string", b""), headers, body
@@ -731,13 +763,17 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
                 watch.stop()
         except CarpoolError as error:
             return _carpool_error(error)
-        response = _Relay(upstream, scope.get(CUT))
+        # (An upload the upstream answered before its end goes on: the relay reads nothing of
+        # its client's connection before it ends, which would take the pieces still to come.)
+        response = _Relay(upstream, scope.get(CUT), body.done if isinstance(body, Upload) else None)
         # One x-request-id per response, the gateway's: the upstream's own is kept under
-        # another name (the only answers whose headers the gateway did not write).
+        # another name (the only answers whose headers the gateway did not write). Its
+        # ``Content-Length`` stays (``upstream.http``: the bytes go out as they came); a body
+        # cut short of it still cuts the client's connection (``_Relay``).
         response.raw_headers = [
             (UPSTREAM_HEADER, value) if name.lower() == HEADER else (name, value)
             for name, value in upstream.headers
-            if name.lower() not in (b"content-length", b"transfer-encoding")
+            if name.lower() != b"transfer-encoding"
         ]
         return response
 

@@ -7,9 +7,10 @@ time, a stream kept warm by SSE comments).
         ...  # point the gateway at up.url; up.calls, up.arrived
 
 Details:
-- Each request (its head, and a body of ``content-length`` bytes) is recorded in ``calls`` (a
-  ``RawCall``: request line, lower-case headers, the body parsed as JSON or None) and
-  ``arrived`` is set; then, once ``gate`` (when one is set) is, the bytes ``respond(call)``
+- Each request (its head, and a body of ``content-length`` bytes, or a chunked one) is recorded
+  in ``calls`` once whole (a ``RawCall``: request line, lower-case headers, the body parsed as
+  JSON or None, and its bytes) and ``arrived`` is set (``headed`` as soon as its head is read,
+  its body maybe still coming); then, once ``gate`` (when one is set) is, the bytes ``respond(call)``
   returns are written as they are (``respond`` may be a coroutine function: its result is
   awaited), or, when it returns an async iterable of bytes, each piece as it comes (drained
   before the next: an answer that trickles in, for as long as the iterable goes on). The
@@ -41,6 +42,21 @@ class RawCall:
     line: str
     headers: dict[str, str]
     body: Any = field(default=None)
+    data: bytes = b""  # (the body's bytes, a chunked one's decoded)
+
+
+async def _dechunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body's bytes (its trailer section skipped); ``IncompleteReadError`` when the
+    connection ends before its last chunk: a body cut short is no call."""
+    data = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass
+            return bytes(data)
+        data += await reader.readexactly(size)
+        await reader.readexactly(2)
 
 
 def answer(
@@ -90,6 +106,7 @@ class RawUpstream:
         self.server: asyncio.Server | None = None
         self.calls: list[RawCall] = []
         self.arrived = asyncio.Event()
+        self.headed = asyncio.Event()  # (a request's head read, its body maybe still coming)
         self.gate: asyncio.Event | None = None
         self.url = ""
         self.connections = 0
@@ -109,12 +126,16 @@ class RawUpstream:
                     name, colon, value = field_line.partition(":")
                     if colon:
                         headers[name.strip().lower()] = value.strip()
-                raw = await reader.readexactly(int(headers.get("content-length", "0")))
+                self.headed.set()
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    raw = await _dechunked(reader)
+                else:
+                    raw = await reader.readexactly(int(headers.get("content-length", "0")))
                 try:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = None
-                call = RawCall(line, headers, body)
+                call = RawCall(line, headers, body, raw)
                 self.calls.append(call)
                 self.arrived.set()
                 if self.gate is not None:

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 from ..config import SimConfig
-from ..upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+from ..upstream.base import PassthroughResponse, RequestBody, UpstreamRequest, UpstreamResponse
 from ..upstream.sim import SimReplica, SimUpstream
 
 
@@ -56,7 +56,7 @@ class Gated:
             yield payloads
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         return await self.engine.passthrough(method, path, query, headers, body)
 

@@ -139,7 +139,12 @@ class IdempotencyConfig(Section):
 
 class LimitsConfig(Section):
     max_body_bytes: int = Field(
-        8 * 1024 * 1024, gt=0, description="Largest request body accepted; larger ones get 413."
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted; larger ones get 413. Pass-through uploads "
+        "(`/v1/files`, `/v1/uploads`) too: raise it for the files your clients upload. A "
+        "pass-through body past 1 MiB goes to the upstream as it comes, never held whole in "
+        "memory; one past the limit is cut there, and the upstream never gets it whole.",
     )
     max_header_bytes: int = Field(
         64 * 1024,
@@ -185,7 +190,9 @@ class LimitsConfig(Section):
         description="Seconds a client may take to send "
         "a whole request body (cached endpoints, pass-through, "
         "admin); a body still trickling in after that gets 408 and "
-        "nothing is sent upstream. Also the time for a request line and its headers, from "
+        "nothing is sent upstream (a pass-through body past 1 MiB, which goes on as it comes, "
+        "is cut there: the upstream never gets it whole). A large upload must come within it: "
+        "the time the client takes counts, not the upstream's taking it. Also the time for a request line and its headers, from "
         "the connection (its first request) or the request's first byte: 408 and the "
         "connection closed (closed alone if nothing came). An idle connection between "
         "requests is closed after `client_keepalive`.",

@@ -438,6 +438,9 @@ class Peers:
                 timeout=self._timeout,
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                # No cookie jar: a cookie on one client's answer relayed by a peer would be
+                # sent on every later request to that peer, other clients' too.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return session
 

@@ -145,7 +145,13 @@ from carpool.errors import (
     UpstreamUnreachable,
 )
 from carpool.routing import Decision, RoutingPolicy
-from carpool.upstream.base import PassthroughResponse, Upstream, UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import (
+    PassthroughResponse,
+    RequestBody,
+    Upstream,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from carpool.upstream.function import FunctionFailed
 
 log = logging.getLogger("carpool.routing")
@@ -475,7 +481,7 @@ class ReplicaSet:
         path: str,
         query: bytes,
         headers: Mapping[str, str],
-        body: bytes,
+        body: RequestBody,
         holder: str | None = None,
     ) -> PassthroughResponse:
         """Another ``/v1/...`` call on one replica (``holder``'s, in back-off too), tried on another

@@ -54,7 +54,7 @@ followed alike. So:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from urllib.parse import unquote
 
 import orjson
@@ -126,10 +126,16 @@ def path_state(path: str) -> str | None:
     return unquote(named[0]) or None
 
 
-def posted_state(method: str, path: str, body: bytes) -> str | None:
+def reads_body(method: str, path: str) -> bool:
+    """Whether routing reads a pass-through call's body (``posted_state``): the server reads it
+    whole then, every other one going to the upstream as it comes (``inbound.read_upload``)."""
+    return method == "POST" and path == "/batches"
+
+
+def posted_state(method: str, path: str, body: bytes | AsyncIterable[bytes]) -> str | None:
     """The kept object a pass-through call's body names: a ``POST /batches``'s
     ``input_file_id`` (the file it is made of, on the replica that keeps it), or None."""
-    if method != "POST" or path != "/batches":
+    if not reads_body(method, path) or not isinstance(body, bytes):
         return None
     try:
         asked = orjson.loads(body)

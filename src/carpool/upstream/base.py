@@ -27,7 +27,11 @@ Contract:
   transport failures are told as ``send``'s are: ``UpstreamUnreachable`` / ``UpstreamTimeout``
   only when nothing can have been acted on (no connection; the routing tries another replica),
   ``UpstreamNoAnswer`` once the request may have reached the server. Its answer
-  (``PassthroughResponse``) is read to its end or closed (``aclose``) by whoever relays it.
+  (``PassthroughResponse``) is read to its end or closed (``aclose``) by whoever relays it. Its
+  request body (``RequestBody``) is bytes, or a large one (a file's upload) an async iterable of
+  its pieces as they come from the client, to be read once: an upstream that sends it reads it
+  as it sends it; one that does not may leave it unread. Its client's failures (limits, leaving)
+  are raised from it, and are the caller's, never the upstream's.
 - Implementations: ``carpool.upstream.http.HttpUpstream`` (a real server over pooled HTTP) and
   ``carpool.upstream.sim.SimUpstream`` (the embedded simulated engine, no sockets).
 """
@@ -35,7 +39,7 @@ Contract:
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -178,6 +182,10 @@ class PassthroughResponse:
                 await close()
 
 
+# A pass-through call's body: whole, or its pieces as they come (the module doc).
+RequestBody = bytes | AsyncIterable[bytes]
+
+
 class Upstream(Protocol):
     """One replica of an OpenAI-compatible deployment."""
 
@@ -186,7 +194,7 @@ class Upstream(Protocol):
     async def send(self, request: UpstreamRequest) -> UpstreamResponse: ...
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse: ...
 
     async def aclose(self) -> None: ...

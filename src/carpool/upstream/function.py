@@ -17,7 +17,13 @@ from typing import Any
 import orjson
 
 from ..errors import PathNotAllowed
-from .base import PassthroughResponse, UpstreamRequest, UpstreamResponse, unstreamed
+from .base import (
+    PassthroughResponse,
+    RequestBody,
+    UpstreamRequest,
+    UpstreamResponse,
+    unstreamed,
+)
 
 Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
 
@@ -43,7 +49,7 @@ class FunctionUpstream:
         )
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         # Not a transport failure (which would down the replica): a path it does not serve.
         raise PathNotAllowed(path)

@@ -26,7 +26,9 @@ Contract (on top of ``upstream.base``):
   which each byte is news; so does a worker's relay of another worker's stream
   (``sse_payloads``), whose own call is bounded so.
 - Pass-through (any method, any body, relayed raw) keeps one ``aiohttp.ClientSession`` per
-  replica, opened on first use, with the same limits; an answer's connection is let go once
+  replica, opened on first use, with the same limits and no cookie jar (an upstream's
+  ``Set-Cookie`` is relayed to the client it answered, never kept and sent on another's call:
+  a client's ``Cookie`` reaches the upstream as it sent it, and only its own); an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not:
   aborted then if its body had not come to its end (its client left: the engine stops; over
   TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
@@ -99,7 +101,7 @@ Contract (on top of ``upstream.base``):
   1xx, 600-999: ``UpstreamBadStatus``), both a 502; a 304 is relayed (a conditional GET's).
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
-  names) and, with a credential the gateway holds, what the upstream
+  names; ``Transfer-Encoding`` among them) and, with a credential the gateway holds, what the upstream
   says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
   carry only their content type from the upstream (none when it named none), a whole
   answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
@@ -119,9 +121,17 @@ Contract (on top of ``upstream.base``):
   streaming client's error event), its connection closed: never relayed nor stored; but a
   refusal (not 2xx) so coded keeps its status and when to retry, its text the gateway's own
   error naming the coding (a 429 stays one the SDKs retry). Pass-through is left as it is: it relays the
-  bytes with their ``content-encoding`` as they came. Likewise a
+  bytes with their ``content-encoding`` as they came, and so with their ``Content-Length``
+  (a HEAD's too; not one beside a ``Transfer-Encoding``, which says nothing of the body, nor
+  a 204's or 304's, which have none). Likewise a
   pass-through request's body goes as it came, with its ``Content-Encoding``; a cached
-  endpoint's call, whose body is the gateway's own serialization, carries none.
+  endpoint's call, whose body is the gateway's own serialization, carries none. A large one
+  (``upstream.base.RequestBody``: its pieces as they come from the client) is sent as it is
+  read, with the ``Content-Length`` its client declared, else chunked (its length is known
+  only at its end; buffered to learn it, it would be held whole in memory again). Its
+  client's failure as it is read (past ``limits.max_body_bytes`` or
+  ``limits.body_read_timeout``: a ``RequestError``) is raised as it is, not as the
+  upstream's: the call's connection closed, the body never ended as if whole.
 """
 
 from __future__ import annotations
@@ -141,6 +151,7 @@ from yarl import URL
 from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
+    RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
     UpstreamContentCoding,
@@ -160,18 +171,19 @@ from . import wire
 from .base import (
     NOT_FORWARDED,
     PassthroughResponse,
+    RequestBody,
     UpstreamRequest,
     UpstreamResponse,
     connection_listed,
 )
 
-# Response headers not relayed by pass-through: the framing (the ASGI server frames the body
-# itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616 13.5.1's list), which
-# describe the upstream's connection to the gateway, not the gateway's to its client; so are
-# those the answer's own ``Connection`` names.
+# Response headers not relayed by pass-through: the chunked framing (the ASGI server frames a
+# body of unknown length itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616
+# 13.5.1's list), which describe the upstream's connection to the gateway, not the gateway's to
+# its client; so are those the answer's own ``Connection`` names. ``Content-Length`` is relayed
+# (a file's size, a HEAD's answer): the body goes out as its bytes came, never re-coded.
 NOT_RELAYED = frozenset(
     {
-        "content-length",
         "transfer-encoding",
         "connection",
         "keep-alive",
@@ -191,6 +203,8 @@ NOT_RELAYED = frozenset(
 # on every answer) or the session it opens for it.
 HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# The statuses whose answer never has a body (RFC 9110 6.4.1): no ``Content-Length`` relayed.
+_BODILESS = frozenset({204, 304})
 
 # The most bytes a coded whole answer may decode to (``_decoded``). The gateway sets no limit on
 # an answer as it comes (identity), but a few KiB of gzip can inflate to gigabytes; this is well
@@ -387,6 +401,11 @@ class HttpUpstream:
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                # No cookie jar: aiohttp's default kept every ``Set-Cookie`` of an upstream
+                # named by host name and sent it on every later call, one tenant's session on
+                # another tenant's call, in place of a client's own cookie of that name. A
+                # cookie is its client's: relayed to it, and back only when it sends it.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
@@ -539,7 +558,7 @@ class HttpUpstream:
         return UpstreamAnswerCut(f"upstream {self.label} failed mid-answer ({error.reason})")
 
     async def _open(
-        self, method: str, url: str | URL, body: bytes | None, headers: Mapping[str, str]
+        self, method: str, url: str | URL, body: RequestBody | None, headers: Mapping[str, str]
     ) -> aiohttp.ClientResponse:
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
@@ -559,6 +578,11 @@ class HttpUpstream:
             # may be running it: never tried elsewhere (the method may not be idempotent).
             raise UpstreamNoAnswer(f"upstream {self.label} did not answer in time") from exc
         except aiohttp.ClientError as exc:
+            if isinstance(exc.__cause__, RequestError):
+                # The body's own failure as it was sent (its client's: past the limits), not
+                # the upstream's: the call is given up (its connection closed, the body cut
+                # short of its end), the client told, the replica not blamed.
+                raise exc.__cause__ from None
             # The connection closed or reset once made, before a byte of answer: as above.
             raise UpstreamNoAnswer(
                 f"upstream {self.label} gave no answer ({reason(exc)})", dropped=True
@@ -573,7 +597,7 @@ class HttpUpstream:
         return response
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         out_headers = forwarded_headers(headers)
         listed = connection_listed(headers)  # (hop-by-hop, for this request)
@@ -584,6 +608,11 @@ class HttpUpstream:
         out_headers = {name: _as_sent(value) for name, value in out_headers.items()}
         # Never ask for a compression the client did not: the bytes are relayed raw.
         out_headers.setdefault("accept-encoding", "identity")
+        if not isinstance(body, bytes) and "content-length" in headers:
+            # A body going on as it comes keeps the length its client declared (the server
+            # read it so: never more, nor less unless the client left, the call cut then);
+            # without one (chunked) it goes chunked: its length is not known before its end.
+            out_headers["content-length"] = headers["content-length"]
         # Sent exactly as confined: yarl would otherwise re-quote and resolve dot segments.
         path = confine(b"/v1" + path.encode("ascii", "replace"))
         # As ``send`` builds a cached endpoint's target: the base URL's path, then its query and
@@ -613,6 +642,11 @@ class HttpUpstream:
         named = response.headers.getall("connection", ())
         if named:
             dropped = dropped | connection_listed({"connection": ",".join(named)})
+        if "transfer-encoding" in response.headers or response.status in _BODILESS:
+            # A length beside a chunked framing says nothing of the body (RFC 9112 6.3: the
+            # server frames the client's answer then); a 304's is the size of a body not sent
+            # (RFC 9110 8.6), which the ASGI server would wait for and, not seeing it, fail.
+            dropped = dropped | {"content-length"}
         relayed = [
             (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
         ]

@@ -19,7 +19,12 @@ from typing import Any
 import orjson
 
 from carpool.config import SimConfig
-from carpool.upstream.base import PassthroughResponse, UpstreamRequest, UpstreamResponse
+from carpool.upstream.base import (
+    PassthroughResponse,
+    RequestBody,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from carpool.upstream.sim.replica import SimReplica, build_replicas
 from carpool.upstream.sim.replies import JSON_HEADERS, not_found_reply, strip_v1
 
@@ -60,7 +65,7 @@ class SimUpstream:
         return UpstreamResponse(reply.status, JSON_HEADERS, body=orjson.dumps(reply.body))
 
     async def passthrough(
-        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: RequestBody
     ) -> PassthroughResponse:
         path = strip_v1(path.split("?", 1)[0])
         payload: Any

@@ -1,0 +1,259 @@
+"""Pass-through (what the gateway relays without caching: ``/v1/files``, ``/v1/models``, any
+other ``/v1`` path) keeps each call its own client's, and relays its bytes as they came.
+
+1. No upstream cookie outlives its answer: one tenant's ``Set-Cookie`` never reaches another
+   tenant's call, nor replaces a cookie a client sent itself; a cached endpoint's answer never
+   stores nor serves one.
+2. An answer relayed unchanged keeps its ``Content-Length`` (a HEAD's too); an upstream that cuts
+   its body short still breaks its client's transfer.
+3. A request body goes to the upstream as it comes, not once the gateway has all of it.
+
+Everything talks HTTP to a real gateway on loopback in front of ``fakes.raw_upstream``, reached
+as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those of a bare IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import httpx
+import pytest
+
+from conftest import Served, run_gateway
+from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
+from fakes.raw_upstream import answer as raw_answer
+from fakes.waiting import eventually
+
+SESSION = (b"set-cookie", b"session=A; Path=/")
+
+
+def by_name(url: str) -> str:
+    """``url`` with its host named as a real upstream's is (api.openai.com, vllm.internal)."""
+    return url.replace("127.0.0.1", "localhost")
+
+
+# --- 1. no upstream cookie outlives its answer -----------------------------------------------
+
+
+async def test_one_tenants_upstream_cookie_never_reaches_another_tenants_call():
+    """The pass-through session kept aiohttp's cookie jar: tenant A's ``Set-Cookie`` went on every
+    later call, tenant B's among them, and in place of tenant C's own cookie of that name."""
+
+    def respond(call: RawCall) -> bytes:
+        if call.line.startswith("GET /v1/login"):
+            return raw_answer(200, b"OK", b"{}", headers=(SESSION,))
+        return raw_answer(200, b"OK", b"{}")
+
+    async with raw_upstream(respond) as upstream, run_gateway([by_name(upstream.url)]) as gw:
+        a = await gw.client.get("/v1/login", headers={"Authorization": "Bearer sk-tenant-a"})
+        gw.client.cookies.clear()  # (the test's client has a jar of its own: B is another)
+        b = await gw.client.get("/v1/models", headers={"Authorization": "Bearer sk-tenant-b"})
+        c = await gw.client.get(
+            "/v1/models", headers={"Authorization": "Bearer sk-tenant-c", "Cookie": "session=C"}
+        )
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.headers.get("set-cookie") == "session=A; Path=/"  # (A's own: relayed to A)
+    _, to_b, to_c = upstream.calls
+    assert to_b.headers["authorization"] == "Bearer sk-tenant-b"
+    assert "cookie" not in to_b.headers, to_b.headers
+    assert to_c.headers.get("cookie") == "session=C", to_c.headers
+
+
+async def test_a_cached_answers_upstream_cookie_is_never_stored_nor_sent_again():
+    """A cached endpoint's answer carries only its content type from the upstream: a
+    ``Set-Cookie`` on it is neither served (on the miss, nor on the hit another client gets) nor
+    sent back to the upstream on a later call."""
+    body = chat_completion("hello")
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", body, headers=(SESSION,))
+
+    chat = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    async with raw_upstream(respond) as upstream, run_gateway([by_name(upstream.url)]) as gw:
+        miss = await gw.client.post("/v1/chat/completions", json=chat)
+        gw.client.cookies.clear()  # (the test's client has a jar of its own)
+        hit = await gw.client.post("/v1/chat/completions", json=chat)
+        other = await gw.client.post("/v1/chat/completions", json={**chat, "seed": 2})
+    assert miss.headers["x-carpool"] == "miss" and hit.headers["x-carpool"] == "hit"
+    assert other.status_code == 200
+    for response in (miss, hit, other):
+        assert "set-cookie" not in response.headers, response.headers
+    assert len(upstream.calls) == 2
+    assert all("cookie" not in call.headers for call in upstream.calls), upstream.calls
+
+
+# --- 2. an answer relayed unchanged keeps its Content-Length ---------------------------------
+
+
+async def test_a_passthrough_answer_keeps_its_content_length_a_heads_too():
+    """A file's content (or a HEAD on it) came with ``Content-Length``; the gateway dropped it
+    with the framing: the client got a chunked answer of unknown size, and a HEAD said nothing
+    of the size. A coded answer is relayed as its bytes came: its length is theirs."""
+    body = b"x" * 1000
+    coded = gzip.compress(b'{"data": []}' * 100)
+
+    def respond(call: RawCall) -> bytes:
+        if "/gzipped" in call.line:
+            zipped = ((b"content-encoding", b"gzip"),)
+            return raw_answer(200, b"OK", coded, b"application/json", headers=zipped)
+        if "/unchanged" in call.line:  # (a 304 may give the length of the body it does not send)
+            return raw_answer(304, b"Not Modified", body)[: -len(body)]
+        data = raw_answer(200, b"OK", body, b"application/octet-stream")
+        return data[: -len(body)] if call.line.startswith("HEAD") else data
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        got = await gw.client.get("/v1/files/f1/content")
+        head = await gw.client.head("/v1/files/f1/content")
+        zipped = await gw.client.get("/v1/files/gzipped", headers={"accept-encoding": "gzip"})
+        unchanged = await gw.client.get("/v1/files/unchanged", headers={"if-none-match": '"1"'})
+        after = await gw.client.get("/v1/files/f1/content")  # (the connection still framed)
+    assert got.status_code == 200 and got.content == body
+    assert got.headers.get("content-length") == "1000", dict(got.headers)
+    assert "transfer-encoding" not in got.headers
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers.get("content-length") == "1000", dict(head.headers)
+    assert zipped.headers.get("content-encoding") == "gzip"
+    assert zipped.headers.get("content-length") == str(len(coded)), dict(zipped.headers)
+    assert zipped.content == b'{"data": []}' * 100  # (decoded by the test's client)
+    assert unchanged.status_code == 304 and unchanged.content == b""
+    assert after.status_code == 200 and after.content == body
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_passthrough_answer_its_upstream_cuts_mid_body_breaks_its_clients_transfer(framing):
+    """Whatever the upstream's framing, an answer cut after half its body never reaches its
+    client as a whole one (a chunked end, or as many bytes as its Content-Length said)."""
+    half = b"y" * 50_000
+
+    def respond(call: RawCall) -> tuple[bytes, bool]:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+        if framing == "chunked":
+            return head + b"transfer-encoding: chunked\r\n\r\n%x\r\n" % len(half) + half, True
+        return head + b"content-length: 100000\r\n\r\n" + half, True
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await gw.client.get("/v1/files/f1/content")
+
+
+# --- 3. a request body goes to the upstream as it comes --------------------------------------
+
+UPLOADED = raw_answer(200, b"OK", b'{"id": "file-1", "object": "file"}')
+PIECE = 2**20
+
+
+async def test_a_large_passthrough_upload_reaches_the_upstream_while_its_client_still_sends_it():
+    """A 32 MiB upload to /v1/files: the gateway read the whole body into memory (its pieces,
+    then joined: twice its size) before it even opened the upstream call. It goes on as it
+    comes, with the length its client declared, byte for byte."""
+    size = 32 * PIECE
+    upstream_had_it_mid_upload: bool | None = None
+
+    async with raw_upstream(lambda call: UPLOADED) as upstream:
+
+        async def body():
+            nonlocal upstream_had_it_mid_upload
+            for i in range(size // PIECE):
+                if i == size // PIECE // 2:  # half sent: has the upstream call begun?
+                    try:
+                        await asyncio.wait_for(upstream.headed.wait(), 10)
+                        upstream_had_it_mid_upload = True
+                    except TimeoutError:
+                        upstream_had_it_mid_upload = False
+                yield bytes([i]) * PIECE
+
+        async with run_gateway([upstream.url], limits={"max_body_bytes": 2 * size}) as gw:
+            response = await gw.client.post(
+                "/v1/files",
+                content=body(),
+                headers={"content-type": "application/octet-stream", "content-length": str(size)},
+            )
+    assert response.status_code == 200, response.text
+    assert upstream_had_it_mid_upload, "the upstream saw nothing until the whole body was in"
+    (call,) = upstream.calls
+    assert call.headers.get("content-length") == str(size)
+    assert "transfer-encoding" not in call.headers
+    assert call.data == b"".join(bytes([i]) * PIECE for i in range(size // PIECE))
+
+
+async def test_a_large_chunked_passthrough_upload_reaches_the_upstream_chunked():
+    """Its length unknown until its end, a chunked body goes on chunked (buffered to learn its
+    length, it would be held whole in memory again)."""
+    pieces = [bytes([i]) * PIECE for i in range(4)]
+
+    async def body():
+        for piece in pieces:
+            yield piece
+
+    async with raw_upstream(lambda call: UPLOADED) as upstream, run_gateway([upstream.url]) as gw:
+        response = await gw.client.post("/v1/files", content=body())  # (httpx: chunked)
+    assert response.status_code == 200, response.text
+    (call,) = upstream.calls
+    assert call.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in call.headers
+    assert call.data == b"".join(pieces)
+
+
+async def test_a_streamed_upload_past_max_body_bytes_is_413_and_the_upstream_never_gets_it_whole():
+    """Chunked, its size unknown until it is read: refused at the piece that passes the limit,
+    the upstream's connection is cut there (never a body ended as if whole)."""
+
+    async def body():
+        for i in range(8):
+            yield bytes([i]) * PIECE
+
+    limits = {"max_body_bytes": 3 * PIECE}
+    async with (
+        raw_upstream(lambda call: UPLOADED) as upstream,
+        run_gateway([upstream.url], limits=limits) as gw,
+    ):
+        response = await gw.client.post("/v1/files", content=body())
+        after = await gw.client.get("/v1/models")  # (the replica stays in rotation)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "body_too_large"
+    assert [call.line for call in upstream.calls] == ["GET /v1/models HTTP/1.1"]
+    assert after.status_code == 200
+
+
+async def open_upload(
+    gw: Served, size: int, sent: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client that declares a ``size``-byte upload to /v1/files and sends ``sent`` bytes."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b"POST /v1/files HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % size
+    writer.write(head + b"z" * sent)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_leaves_mid_upload_takes_its_call_with_it():
+    """Its body half sent, the client goes: the upstream's connection is closed (the body never
+    ended as if whole), and the replica, which did nothing wrong, stays in rotation."""
+    async with raw_upstream(lambda call: UPLOADED) as upstream, run_gateway([upstream.url]) as gw:
+        _, writer = await open_upload(gw, 8 * PIECE, 4 * PIECE)
+        await asyncio.wait_for(upstream.headed.wait(), 10)  # (the call under way)
+        writer.close()
+        await eventually(lambda: upstream.ended == 1, what="the upstream's connection closed")
+        after = await gw.client.get("/v1/models")
+        state = gw.gateway.replicas.snapshot()[upstream.url]["state"]
+    assert upstream.calls[0].line == "GET /v1/models HTTP/1.1" and len(upstream.calls) == 1
+    assert after.status_code == 200 and state == "healthy"
+
+
+async def test_a_client_that_stops_sending_mid_upload_is_408_and_the_upstream_never_gets_it_whole():
+    """``limits.body_read_timeout`` covers the whole body, streamed or not: the client that
+    stalls halfway is answered 408 (its connection closed) and the upstream's call is cut."""
+    limits = {"body_read_timeout": 0.5}
+    async with (
+        raw_upstream(lambda call: UPLOADED) as upstream,
+        run_gateway([upstream.url], limits=limits) as gw,
+    ):
+        reader, writer = await open_upload(gw, 8 * PIECE, 4 * PIECE)
+        answer = await asyncio.wait_for(reader.read(), 10)  # (to the connection's end)
+        writer.close()
+        await eventually(lambda: upstream.ended == 1, what="the upstream's connection closed")
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"body_timeout" in answer and b"connection: close" in answer.lower()
+    assert upstream.calls == []
