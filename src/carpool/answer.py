@@ -36,7 +36,8 @@ Contract:
 - Frames synthesized for streaming clients are made once each way (with the usage chunk and
   without) and kept in the answer (``sse``, ``synthesized``); ``on_synthesized``, if set, is
   called with the answer each time it keeps some: the in-process store counts them against its
-  budget for the entries it keeps (``store.memory``).
+  budget for the entries it keeps (``store.memory``), and the semantic cache for its entries
+  (``semantic.cache``: every hit of an entry is served its answer, frames made once).
 - An ``Answer`` is immutable once built; many clients read it at once. Its ``body`` is a copy
   of exactly its length (see ``__post_init__``; ``restored`` is given one), so ``size`` is what
   it really holds.
@@ -115,9 +116,10 @@ class Answer:
         return answer
 
     def served_copy(self) -> Answer:
-        """This answer with a memo of its own (``sse``), its body and frames shared, not copied:
-        what a holder that does not count the memo (the semantic cache) hands a client, so that
-        frames synthesized for a streaming one are not kept in the answer it holds."""
+        """This answer with a memo of its own (``sse``) and no ``on_synthesized``, its body and
+        frames shared, not copied: what a holder that counts the frames its answer keeps takes
+        of an answer others hold too (the semantic cache, of the one it inserts), so that its
+        hook hears of those frames only, and no other holder's are kept in it uncounted."""
         return Answer.restored(
             self.kind,
             self.body,

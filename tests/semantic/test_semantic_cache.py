@@ -15,9 +15,10 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
+from carpool.apis import api_of  # noqa: E402
 from carpool.clock import SYSTEM_CLOCK  # noqa: E402
 from carpool.fingerprint import requester  # noqa: E402
-from carpool.store.base import Selector, state_tag  # noqa: E402
+from carpool.store.base import Selector, state_tag, synthesized_held  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
 
 SEMANTIC = {"semantic": {"enabled": True}}
@@ -76,16 +77,28 @@ async def test_a_paraphrase_is_a_semantic_hit_with_its_similarity(sgw, fake):
     assert stats["semantic_hits"] == 1 and stats["layers"]["semantic"]["entries"] == 1
 
 
-async def test_a_streaming_semantic_hit_keeps_no_frames_in_the_cache_its_budget_does_not_count(
-    sgw, fake
+async def test_streaming_semantic_hits_of_an_entry_share_frames_made_once_and_counted_in_its_budget(
+    sgw, fake, monkeypatch
 ):
-    # An entry counts its answer as stored (``semantic.max_bytes``); frames synthesized for a
-    # streaming client of an answer stored without frames were kept in that very answer (its
-    # memo, twice: with the usage chunk and without), uncounted, for as long as the entry lived.
+    # An answer stored without frames (a whole one) is sent to a streaming client as frames
+    # made from its body. Each semantic hit was handed a copy of the entry's answer with a memo
+    # of its own, so every streaming client had them made anew, for it alone, on the event loop
+    # (an 8 MB answer: ~33 ms each, and a copy each client that stops reading holds). Now they
+    # are made once per entry and kept in it, counted in the semantic cache's bytes.
+    chat = api_of("chat")
+    made: list[bool] = []
+    synthesize = chat.synthesize
+
+    def counting(body, include_usage):
+        made.append(include_usage)
+        return synthesize(body, include_usage)
+
+    monkeypatch.setattr(chat, "synthesize", counting)
     await ask(sgw, "How do I reset my router?")  # a whole answer: stored without frames
     await stored(sgw)
     held = sgw.gateway.semantic.bytes
-    for include_usage in (False, True):
+    streams = []
+    for include_usage in (False, True, False, True):
         options = {"stream_options": {"include_usage": True}} if include_usage else {}
         message = {"role": "user", "content": "how can i reset my router"}
         request = {"model": "m", "temperature": 0, "messages": [message], "stream": True}
@@ -95,9 +108,16 @@ async def test_a_streaming_semantic_hit_keeps_no_frames_in_the_cache_its_budget_
             raw = (await streamed.aread()).decode()
         assert streamed.headers["x-carpool"] == "semantic-hit"
         assert raw.endswith("data: [DONE]\n\n") and ('"usage"' in raw) == include_usage
-    entries = [entry for _, entry in sgw.gateway.semantic._entries.items()]
-    assert [entry.answer.synthesized for entry in entries if entry.answer] == [{}]
-    assert sgw.gateway.semantic.bytes == held and fake.count() == 1
+        streams.append(raw)
+    assert streams[0] == streams[2] and streams[1] == streams[3]
+    assert made == [False, True]  # once each way, for the entry: not once a client
+    (entry,) = [entry for _, entry in sgw.gateway.semantic._entries.items()]
+    assert entry.answer is not None and set(entry.answer.synthesized) == {False, True}
+    # Kept in the entry: counted, not held uncounted.
+    kept = synthesized_held(entry.answer)
+    assert kept > 0 and sgw.gateway.semantic.bytes == held + kept
+    stats = (await sgw.client.get("/stats")).json()
+    assert stats["layers"]["semantic"]["bytes"] == held + kept and fake.count() == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])

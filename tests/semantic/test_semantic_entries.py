@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 
 from carpool.answer import Answer
 from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
@@ -19,7 +20,7 @@ from carpool.fingerprint import SemanticView
 from carpool.semantic.cache import COMPACT_MAX_LIVE, SCOPE_BYTES, SemanticCache
 from carpool.semantic.guard import Side
 from carpool.semantic.verdict import Verdict
-from carpool.store.base import Selector
+from carpool.store.base import Selector, synthesized_held
 from fakes.waiting import eventually
 
 DIM = 8
@@ -62,9 +63,10 @@ async def served(semantic: SemanticCache, text: str, scope: str = "s") -> bool:
 
 
 def counted(semantic: SemanticCache) -> int:
-    """What ``bytes`` must say: the entries' sizes and their scopes' indexes, with the slots
-    those hold empty (a vector's count each: twice its raw size)."""
-    return sum(e.size for _, e in semantic._entries.items()) + sum(
+    """What ``bytes`` must say: the entries' sizes with the frames their answers made for
+    streaming hits, and their scopes' indexes, with the slots those hold empty (a vector's
+    count each: twice its raw size)."""
+    return sum(e.size + e.synthesized for _, e in semantic._entries.items()) + sum(
         SCOPE_BYTES + 8 * DIM * (index.peak - len(index)) for index in semantic._scopes.values()
     )
 
@@ -180,6 +182,74 @@ async def test_an_entry_is_kept_only_if_it_fits_with_an_index_of_its_own():
     await insert(semantic, "large", body=b"x" * 30_000)
     assert semantic.bytes <= budget and semantic.bytes == counted(semantic)
     assert semantic.entries == 1 and await served(semantic, "small")  # (nothing evicted for it)
+
+
+def chat_body(text: str, words: int = 300) -> bytes:
+    """A whole chat answer (no frames: a streaming client of it is sent frames made from it)."""
+    content = " ".join([text] * words)
+    return orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": words, "total_tokens": words + 1},
+        }
+    )
+
+
+async def hit(semantic: SemanticCache, text: str) -> Answer:
+    """The answer a probe for ``text`` serves (it must be a hit)."""
+    probe = await semantic.probe(SemanticView("s", text))
+    assert probe.match is not None and probe.match.answer is not None, text
+    return probe.match.answer
+
+
+async def test_frames_made_for_streaming_hits_are_made_once_counted_and_bounded_by_the_budget():
+    # Each hit was handed a copy of the entry's answer with a memo of its own: every streaming
+    # client of an entry stored without frames had its frames made anew, for it alone. Now the
+    # entry keeps them for its next streaming hits, counted in ``bytes`` from when they are
+    # made, and the least recently used entries (this one last) go to keep within the budget.
+    measure = cache(max_bytes=1 << 30)
+    for text in ("one", "two"):
+        await insert(measure, text, body=chat_body(text))
+    sizes = [entry.size for _, entry in measure._entries.items()]
+    made = Answer("chat", chat_body("one"), True)
+    made.sse(True), made.sse(False)
+    frames = synthesized_held(made)
+    assert frames > sizes[0]  # (its text twice, and more)
+    # Room for both entries, and for one's frames, not two's.
+    budget = SCOPE_BYTES + sum(sizes) + frames + frames // 2
+    semantic = cache(max_bytes=budget)
+    for text in ("one", "two"):
+        await insert(semantic, text, body=chat_body(text))
+    before = semantic.bytes
+    first = await hit(semantic, "one")
+    with_usage, without = first.sse(True), first.sse(False)
+    again = await hit(semantic, "one")
+    assert again.sse(True) is with_usage and again.sse(False) is without  # made once
+    assert semantic.bytes == before + synthesized_held(first) == counted(semantic)
+    assert before + frames <= semantic.bytes <= budget and semantic.entries == 2
+    # The other's too: no room for both; the least recently used entry goes, not this one.
+    second = await hit(semantic, "two")
+    second.sse(True), second.sse(False)
+    assert semantic.bytes <= budget and semantic.bytes == counted(semantic)
+    assert semantic.entries == 1 and semantic._entries.evictions == 1
+    assert not await served(semantic, "one")
+    assert (await hit(semantic, "two")).sse(True) is second.sse(True)
+    # Frames made later on an entry that is gone are not the cache's: not counted.
+    counted_now = semantic.bytes
+    first.sse(True), first.sse(False)
+    assert semantic.bytes == counted_now
+    await semantic.invalidate(Selector(everything=True))
+    assert semantic.entries == 0 and semantic.bytes == 0
 
 
 async def test_a_scope_that_shrank_gives_back_its_index_memory():

@@ -35,10 +35,19 @@ Contract:
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes: the least recently used go
   first (``carpool.lru``). An entry counts (``SemanticEntry.size``) its answer whole (its own
-  copy: the exact cache's budget does not bound it; a client is served a copy sharing its
-  bytes, ``Answer.served_copy``, so that frames synthesized for a streaming one are not kept
-  in it uncounted), its texts, its vector in the index (twice its raw size: the graph's copy
-  and its links) and ``ENTRY_OBJECTS`` for its Python objects;
+  copy: the exact cache's budget does not bound it), its texts, its vector in the index (twice
+  its raw size: the graph's copy and its links) and ``ENTRY_OBJECTS`` for its Python objects;
+  and, from when they are made, the frames its answer synthesized for streaming hits
+  (``SemanticEntry.synthesized``), as the in-process exact store counts a hot entry's
+  (``store.memory``): every hit of an entry is served the entry's answer itself, so that an
+  answer stored without frames is made into frames once per entry, not once per streaming
+  client (on the event loop: ~33 ms for 8 MB, and a copy each client that stops reading
+  held), and its clients share them. The entry keeps an answer of its own
+  (``Answer.served_copy`` of the one inserted: a memo, ``Answer.on_synthesized``, no other
+  holder shares), which tells it of the frames it keeps; the least recently used entries (this
+  one last) then go until ``bytes`` is within ``max_bytes`` again. Frames made for an answer
+  read for a reference (``resolve``, below) are the exact store's to count or not, as for its
+  own hits: another instance's answer read from Redis is the request's own copy;
   each scope's index counts ``SCOPE_BYTES`` besides (room is made for it as an entry opens the
   scope: one scope per entry held ~10x what its entries counted before), and each slot its
   removed vectors left (``VectorIndex.slack``: usearch keeps them) what a vector counts. An
@@ -104,14 +113,15 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..answer import Answer
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import SemanticConfig
 from ..fingerprint import SemanticView
-from ..lru import LRU
-from ..store.base import Selector, StoreUnavailable
+from ..lru import LRU, held
+from ..store.base import Selector, StoreUnavailable, synthesized_held
 from .embed.base import EmbeddingDimMismatch
 from .embed.upstream import EmbedderDown
 from .guard import Guard, Side, Verdict
@@ -144,6 +154,11 @@ COMPACT_MIN_PEAK = 64
 MAX_PREFIX_INVALIDATIONS = 256
 # Calibrated with `carpool eval-semantic --sweep` on the development pairs: see the docstring.
 CALIBRATED_THRESHOLD = 0.40
+# An entry's answer's ``on_synthesized`` (``_count_synthesized``): a partial of the cache's
+# method and the entry's id, counted in the entry's ``size``.
+_hook = partial(print, 1 << 40)
+_HOOK = held(_hook, _hook.args, _hook.args[0], _hook.keywords)
+del _hook
 #: Pairs (entry, prompt) audits found wrong, remembered (``refuse``): 16-byte digests, ~2 MB.
 MAX_REFUSED = 10_000
 #: ``focus`` splits a text into a head (all but its last sentences), matched exactly as part of the
@@ -207,6 +222,10 @@ class SemanticEntry:
     context: str = ""  # a conversation's earlier turns
     tenant: str = "*"  # the scope's (``Fingerprint.tenant``): whose error budget its hits count in
     public_id: str = field(default="", init=False)  # what clients see of it: an opaque id
+    # Bytes of the frames its answer synthesized for streaming hits and keeps
+    # (``synthesized_held``), counted in the cache's ``bytes`` besides ``size`` (which the LRU
+    # map asks again when it goes: it must not change).
+    synthesized: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         # Keyed: a plain hash of the prompt could be confirmed by anyone who guesses the prompt.
@@ -284,6 +303,7 @@ class SemanticCache:
         self._prefixes: deque[tuple[str, int, float]] = deque()
         self._floor: tuple[int, float] = (0, float("-inf"))
         self._longest_ttl = 0.0  # the longest an entry inserted was to live (expires - created)
+        self._synthesized = 0  # the live entries' ``synthesized``, in all
 
     @property
     def entries(self) -> int:
@@ -293,14 +313,18 @@ class SemanticCache:
 
     @property
     def bytes(self) -> int:
-        """What the live entries count (``SemanticEntry.size``) and their scopes' indexes
-        (``SCOPE_BYTES`` each, and the slots they hold empty), against ``max_bytes``."""
+        """What the live entries count (``SemanticEntry.size``, and the frames their answers
+        synthesized: ``synthesized``) and their scopes' indexes (``SCOPE_BYTES`` each, and the
+        slots they hold empty), against ``max_bytes``."""
         self._reap()
         return self._held()
 
     def _held(self) -> int:
         return (
-            self._entries.bytes + SCOPE_BYTES * len(self._scopes) + self._slot_bytes() * self._slack
+            self._entries.bytes
+            + self._synthesized
+            + SCOPE_BYTES * len(self._scopes)
+            + self._slot_bytes() * self._slack
         )
 
     def _slot_bytes(self) -> int:
@@ -462,10 +486,8 @@ class SemanticCache:
                 # from another instance by this machine's wall clock, not the gateway's.)
                 if max_age is not None and candidate.answer.age(self._clock.now()) >= max_age:
                     continue
-            else:
-                # A copy of its own for the client: frames synthesized for a streaming one
-                # would stay in the entry's answer, which ``size`` counts as stored.
-                candidate.answer = candidate.answer.served_copy()
+            # (Else the entry's answer itself: frames made for a streaming client are made once
+            # and kept for the next, counted: ``_count_synthesized``.)
             if (
                 self._entries.peek(entry.id) is not entry
                 or entry.expires <= self._clock.now()
@@ -529,6 +551,11 @@ class SemanticCache:
             self._drop(older)
         if created is None:
             created = answer.created if answer is not None else self._clock.now()
+        if answer is not None:
+            # One of its own (body and frames shared, not copied): the frames it synthesizes
+            # for streaming hits are this cache's to count (``_count_synthesized``), and no
+            # other holder of the answer inserted (the flight's, an idempotency record) hooks it.
+            answer = answer.served_copy()
         entry = SemanticEntry(
             next(self._ids),
             view.scope,
@@ -544,9 +571,9 @@ class SemanticCache:
             tenant=tenant,
         )
         # The vector is held twice (float32 in the graph, plus its links): ~2x its raw size.
-        held = answer.size if answer is not None else len(ref or "")
+        holds = answer.size + _HOOK if answer is not None else len(ref or "")
         entry.size = (
-            held
+            holds
             + len(view.text)
             + len(view.context)
             + len(prompt_prefix)
@@ -581,8 +608,24 @@ class SemanticCache:
         self._by_text[(view.scope, view.context, view.text)] = entry.id
         self._by_public[entry.public_id] = entry.id
         self._entries.put(entry.id, entry)  # the least recently used out (``_unindex``)
+        if answer is not None:  # (told of frames it keeps for streaming hits, to count them)
+            answer.on_synthesized = partial(self._count_synthesized, entry.id)
         self._inserted(entry, vector, key)
         return entry.id
+
+    def _count_synthesized(self, entry_id: int, answer: Answer) -> None:
+        """``answer`` (``entry_id``'s, unless gone since) kept frames it synthesized for a
+        streaming hit: counted with its entry, made the most recently used (a client of it now);
+        the least recently used entries (this one last) go until the budget holds them."""
+        entry = self._entries.peek(entry_id)
+        if entry is None or entry.answer is not answer:
+            return  # gone since (evicted, expired, dropped): not kept here, not counted
+        kept = synthesized_held(answer)
+        self._synthesized += kept - entry.synthesized
+        entry.synthesized = kept
+        self._entries.touch(entry_id)
+        while self._entries and self._held() > self.config.max_bytes:
+            self._entries.evict()  # (heard by ``_unindex``: its frames uncounted with it)
 
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         """Called with each entry once it is in this cache (and its index); nothing here."""
@@ -634,7 +677,10 @@ class SemanticCache:
             self._unindex(entry.id, entry)
 
     def _unindex(self, key: int, entry: SemanticEntry) -> None:
-        """Forget ``entry`` (gone from ``_entries``) in the text map and its scope's index."""
+        """Forget ``entry`` (gone from ``_entries``) in the text map and its scope's index, and
+        the frames its answer kept (``synthesized``)."""
+        self._synthesized -= entry.synthesized
+        entry.synthesized = 0
         if self._by_text.get((entry.scope, entry.context, entry.text)) == entry.id:
             del self._by_text[(entry.scope, entry.context, entry.text)]
         if self._by_public.get(entry.public_id) == entry.id:
