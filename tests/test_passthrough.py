@@ -7,6 +7,8 @@ other ``/v1`` path) keeps each call its own client's, and relays its bytes as th
 2. An answer relayed unchanged keeps its ``Content-Length`` (a HEAD's too); an upstream that cuts
    its body short still breaks its client's transfer.
 3. A request body goes to the upstream as it comes, not once the gateway has all of it.
+4. An upstream that refuses an upload part-way is heard: its answer reaches the client, and
+   its replica stays in rotation; one that cuts it without answering is still a 502.
 
 Everything talks HTTP to a real gateway on loopback in front of ``fakes.raw_upstream``, reached
 as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those of a bare IP.
@@ -257,3 +259,101 @@ async def test_a_client_that_stops_sending_mid_upload_is_408_and_the_upstream_ne
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"body_timeout" in answer and b"connection: close" in answer.lower()
     assert upstream.calls == []
+
+
+# --- 4. an upstream that refuses an upload part-way is heard ---------------------------------
+
+TOO_LARGE = raw_answer(
+    413, b"Payload Too Large", b'{"error": "file too large"}', headers=((b"connection", b"close"),)
+)
+
+
+class PartReader:
+    """An upstream that reads ``reads`` bytes of each call's body, then answers ``answer`` (or
+    nothing) and closes, the rest unread: its kernel resets the connection (RST), as a server
+    checking an upload's size as it reads it does. ``ignore_expect``: it reads the whole body
+    but never sends ``100 Continue``, as an HTTP/1.0-minded server does."""
+
+    def __init__(self, reads: int, answer: bytes | None) -> None:
+        self.reads, self.answer = reads, answer
+        self.heads: list[bytes] = []
+        self.read: list[int] = []  # (each call's bytes read, its body's framing included)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            self.heads.append(await reader.readuntil(b"\r\n\r\n"))
+            got = 0
+            while got < self.reads and (piece := await reader.read(PIECE)):
+                got += len(piece)
+            self.read.append(got)
+            if self.answer is not None:
+                writer.write(self.answer)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> PartReader:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+UPLOADS = 100
+
+
+async def test_an_upstreams_refusal_mid_upload_reaches_its_client_and_the_replica_stays():
+    """An upstream reads 2 MiB of a 16 MiB upload, answers 413 and closes, the rest unread (its
+    kernel resets the connection). Sent whole, the body was in the gateway's socket buffer
+    before the answer came, which the loop read before the failed write; streamed, the gateway
+    wrote a piece on the reset connection before reading the answer, which was lost: its
+    client got a 502 ("gave no answer (connection reset)"), and the replica was left out of
+    rotation for every tenant (2 to 94 of 100 uploads so)."""
+    answers, states = [], []
+    async with (
+        PartReader(2 * PIECE, TOO_LARGE) as upstream,
+        run_gateway([upstream.url], limits={"max_body_bytes": 64 * PIECE}) as gw,
+    ):
+        for _ in range(UPLOADS):
+            response = await gw.client.post("/v1/files", content=b"x" * (16 * PIECE))
+            answers.append((response.status_code, response.text))
+            states.append(gw.gateway.replicas.snapshot()[upstream.url]["state"])
+    refused = (413, '{"error": "file too large"}')
+    assert answers == [refused] * UPLOADS, [a for a in answers if a != refused][:3]
+    assert set(states) == {"healthy"}
+
+
+async def test_an_upstream_that_cuts_an_upload_without_answering_is_a_502_and_the_replicas_fault():
+    """Watched for a refusal as it goes, an upload whose upstream closes part-way with no
+    answer is still no answer: its client gets a 502, and the replica is left out."""
+    async with (
+        PartReader(2 * PIECE, None) as upstream,
+        run_gateway([upstream.url], limits={"max_body_bytes": 64 * PIECE}) as gw,
+    ):
+        response = await gw.client.post("/v1/files", content=b"x" * (16 * PIECE))
+        state = gw.gateway.replicas.snapshot()[upstream.url]["state"]
+    assert response.status_code == 502, response.text
+    assert "gave no answer" in response.json()["error"]["message"]
+    assert state == "down"
+
+
+async def test_an_upstream_that_reads_the_whole_upload_before_answering_gets_all_of_it():
+    """The watch stops a body only for an answer that came before its end: an upstream that
+    reads it all (never sending ``100 Continue``, never asked to) gets every byte, declared
+    length or chunked."""
+
+    async def chunked():
+        for i in range(16):
+            yield bytes([i]) * PIECE
+
+    async with (
+        PartReader(16 * PIECE, UPLOADED) as upstream,
+        run_gateway([upstream.url], limits={"max_body_bytes": 64 * PIECE}) as gw,
+    ):
+        whole = await gw.client.post("/v1/files", content=b"x" * (16 * PIECE))
+        streamed = await gw.client.post("/v1/files", content=chunked())
+    assert (whole.status_code, streamed.status_code) == (200, 200), (whole.text, streamed.text)
+    assert all(b"expect" not in head.lower() for head in upstream.heads)
+    assert len(upstream.read) == 2 and min(upstream.read) >= 16 * PIECE

@@ -131,17 +131,36 @@ Contract (on top of ``upstream.base``):
   only at its end; buffered to learn it, it would be held whole in memory again). Its
   client's failure as it is read (past ``limits.max_body_bytes`` or
   ``limits.body_read_timeout``: a ``RequestError``) is raised as it is, not as the
-  upstream's: the call's connection closed, the body never ended as if whole.
+  upstream's: the call's connection closed, the body never ended as if whole. Such a body is
+  watched as it goes (``_Heard``, RFC 9112 9.6): what the upstream sent is read before each
+  next piece is written, so that an upstream refusing it part-way (reads 2 MiB, answers 413,
+  closes with the rest unread, which resets the connection) is heard, its answer relayed and
+  its replica not blamed, rather than lost to the reset (a 502 "gave no answer", the replica
+  left out); an answer before the body's end that refuses it (4xx, 5xx) or closes ends the
+  sending, the rest never written and the connection closed, not reused. A reset landing in
+  the microseconds between that look and the write still loses it (``UpstreamNoAnswer``, as
+  for an upstream that cuts the upload without answering).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import logging
+import select
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -287,6 +306,68 @@ def replica_names(urls: Sequence[str], names: Sequence[str] = ()) -> list[tuple[
     return out
 
 
+class _Heard:
+    """The upstream's side of one streamed upload, watched as its pieces go (RFC 9112 9.6: a
+    client sending a body watches the connection for an answer that refuses it).
+
+    Why: an upstream that refuses an upload part-way (reads 2 MiB, answers 413, closes) leaves
+    the rest unread, so its kernel resets the connection right behind its answer. A piece
+    written on the connection then fails on the reset before the loop has read the answer,
+    and the loop closes the socket with the answer unread in it: the client got a 502 ("gave
+    no answer") and the replica was left out of rotation, though it had answered. So before
+    each piece, anything the upstream sent is read first (the loop reads it; a piece going
+    out from the loop's own writable callback was safe already: it reads before it writes);
+    then a refusal (its status 4xx or 5xx, or a closing connection) ends the sending: the rest
+    is never written, and the connection is closed once the answer is done with (the body was
+    never ended as if whole, never reused)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None  # (``_WatchingRequest``)
+        self.refused = False  # the upstream's answer came before the body's end, a refusal
+        self.over = asyncio.Event()  # the call failed, or its answer was done with
+
+    async def pieces(self, body: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        async for piece in body:
+            await self.heard()
+            yield piece
+
+    async def heard(self) -> None:
+        transport = self.transport
+        socket = transport.get_extra_info("socket") if transport is not None else None
+        if transport is None or socket is None:
+            return
+        poll = select.poll()
+        poll.register(socket.fileno(), select.POLLIN | select.POLLPRI)
+        # (Not while the transport reads nothing: what came stays there, and the call's own
+        # timeout, or its reader, decides.)
+        while not self.refused and not transport.is_closing() and poll.poll(0):
+            if not transport.is_reading():
+                break
+            await asyncio.sleep(0)  # (the loop reads what came: an answer, the close)
+        if self.refused or transport.is_closing():
+            # (Nothing more goes out. The writer is cancelled as the answer is let go; should
+            # the call fail first, ``over`` ends it, the connection closed with the call.)
+            await self.over.wait()
+            raise ConnectionResetError("the upstream answered before the body's end")
+
+
+# The streamed upload being sent in this context (``_open``): aiohttp writes its body in a task
+# made there, which tells the watch its connection (``_WatchingRequest``).
+_SENDING: contextvars.ContextVar[_Heard | None] = contextvars.ContextVar("sending", default=None)
+
+
+class _WatchingRequest(aiohttp.ClientRequest):
+    """aiohttp's request, telling a streamed upload's ``_Heard`` which connection it goes on."""
+
+    async def write_bytes(
+        self, writer: Any, conn: aiohttp.connector.Connection, content_length: int | None = None
+    ) -> None:
+        heard = _SENDING.get()
+        if heard is not None:
+            heard.transport = conn.transport
+        await super().write_bytes(writer, conn, content_length)
+
+
 def reason(error: BaseException) -> str:
     """What went wrong, in a few words fit for a client (no repr, no address)."""
     if isinstance(error, aiohttp.ConnectionTimeoutError):
@@ -381,6 +462,7 @@ class HttpUpstream:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
+                request_class=_WatchingRequest,
                 connector=aiohttp.TCPConnector(
                     limit=self.limits.upstream_max_connections,
                     limit_per_host=0,
@@ -563,9 +645,21 @@ class HttpUpstream:
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
+        # A streamed upload is watched as it goes: a refusal before its end is heard (``_Heard``).
+        heard: _Heard | None = None
+        data = body
+        if body is not None and not isinstance(body, bytes):
+            heard = _Heard()
+            data = heard.pieces(body)
+        _SENDING.set(heard)
+        response: aiohttp.ClientResponse | None = None
         try:
             response = await self._client().request(
-                method, url, data=body, headers=headers, allow_redirects=False
+                method,
+                url,
+                data=data,
+                headers=headers,
+                allow_redirects=False,
             )
         except _NOT_CONNECTED as exc:
             # (A connect timeout is a ``ServerTimeoutError`` too.) Nothing was sent: unreachable,
@@ -587,6 +681,14 @@ class HttpUpstream:
             raise UpstreamNoAnswer(
                 f"upstream {self.label} gave no answer ({reason(exc)})", dropped=True
             ) from exc
+        finally:
+            _SENDING.set(None)
+            if heard is not None and response is None:
+                heard.over.set()  # (no answer: a watch waiting on one is done)
+        if heard is not None:
+            # An answer before the body's end that refuses it, or closes, stops the body.
+            closing = response.headers.get("connection", "").lower() == "close"
+            heard.refused = response.status >= 400 or closing
         if self._held and response.status in (401, 403):
             # As for the cached endpoints' calls (``send``).
             response.release()
