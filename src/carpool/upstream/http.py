@@ -360,12 +360,13 @@ class _WatchingRequest(aiohttp.ClientRequest):
     """aiohttp's request, telling a streamed upload's ``_Heard`` which connection it goes on."""
 
     async def write_bytes(
-        self, writer: Any, conn: aiohttp.connector.Connection, content_length: int | None = None
+        self, writer: Any, conn: aiohttp.connector.Connection, *rest: Any, **named: Any
     ) -> None:
         heard = _SENDING.get()
         if heard is not None:
             heard.transport = conn.transport
-        await super().write_bytes(writer, conn, content_length)
+        # (The rest as it came: aiohttp 3.12 added ``content_length``, 3.10 has none.)
+        await super().write_bytes(writer, conn, *rest, **named)
 
 
 def reason(error: BaseException) -> str:
