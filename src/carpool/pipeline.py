@@ -808,9 +808,10 @@ class Gateway:
         return await self._forget_held(self.layers.states.take(tag))
 
     async def _forget_held(self, held: Held) -> int:
-        """``held``'s answers dropped: each key's lingering flight, its entry (here and in
-        Redis: ``SharedStore.forget``), its semantic entries (this process's copies; another
-        instance's reference to the key dies with it); and the flights whose calls run under
+        """``held``'s answers dropped: each key's lingering flight (here and in Redis:
+        ``SharedFlights.forget``), its entry (here and in Redis: ``SharedStore.forget``), its
+        semantic entries (this process's copies; another instance's reference to the key dies
+        with it); and the flights whose calls run under
         it shut (``StateIndex.fly``): no request joins them from now on, and their answers,
         which are or continue it, are not stored (``Leader._store`` asks)."""
         dropped = 0
@@ -825,6 +826,12 @@ class Gateway:
         if self.semantic is not None:
             for entry in held.entries:
                 dropped += self.semantic.forget_entry(entry)
+        if self.shared_flights is not None:
+            # Their calls kept joinable in Redis (lingering in the window, or running) are
+            # replayed or followed by no instance from now on, this one included: the entries
+            # are gone, and a replay would hand the deleted response out again. (Not counted:
+            # the answers are.)
+            await self.shared_flights.forget(dict.fromkeys((*held.keys, *held.flying)))
         return dropped
 
     async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:
