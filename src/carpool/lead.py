@@ -24,8 +24,10 @@ Contract:
   its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
   of either drops). The call is indexed under them while it runs too (``StateIndex.fly``):
   under the response it continues from its start, under the one it makes as soon as the
-  upstream names it (``Exchange.fetch``'s ``made``: before any client reads the id), with the
-  key its flight is led under (``flying``), so that a ``DELETE`` of either shuts the flight,
+  upstream names it (``Exchange.fetch``'s ``made``: before any client reads the id; a call
+  followed or replayed from another instance, whose stream named it there: by its whole
+  answer, before this flight's clients have its end), with the key its flight is led under
+  (``flying``), so that a ``DELETE`` of either shuts the flight,
   which no request joins from then on; once it ends, indexed no more unless its answer
   lingers (``StateIndex.landed``). One whose response (continued or made) was deleted while
   its call ran is not stored (``StateIndex.deleted``, asked before it is stored and again once
@@ -182,7 +184,13 @@ class Leader:
                 flown += self.states.fly((state_tag(key.owner, continued),), led)
 
             def made(state: str) -> None:
-                flown.extend(self.states.fly((state_tag(key.owner, state),), led))
+                tag = state_tag(key.owner, state)
+                if self.states.deleted((tag,)):
+                    # Named only after its DELETE (a call followed from another instance,
+                    # named at its end here): joined by no request from now on, nor lingering.
+                    self.flights.shut(led)
+                else:
+                    flown.extend(self.states.fly((tag,), led))
 
         async def call(broadcast: Broadcast) -> Answer:
             if shared_store is not None:  # (Redis's count of invalidations, before the call)
@@ -242,6 +250,13 @@ class Leader:
             # Followed, replayed or loaded: the instance that led it stored it as this one
             # would have (a loaded answer is the stored one).
             kept = bool(stored[-1]) if stored else storable or broadcast.cached
+            if made is not None and not stored:
+                # Its stream named the response on the instance that led it; here, by its
+                # whole answer, before this flight's clients have its end: indexed so, while
+                # it lingers here, a DELETE of it shuts it (``state_index``).
+                named = _state_made(request, answer)
+                if named is not None:
+                    made(named)
             self._label(broadcast, request, key, kept)
             return answer
         finally:
@@ -461,15 +476,17 @@ def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]
     (``state_tag``): the stored response it continues (``Api.state_continued``) and the one it is
     (``Api.state_made``), each in the requester's tenant (``owner``), whose ``DELETE`` of
     either drops it."""
-    api = request.api
-    named = [api.state_continued(request.body)]
+    named = [request.api.state_continued(request.body), _state_made(request, answer)]
+    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
+
+
+def _state_made(request: Request, answer: Answer) -> str | None:
+    """The stored response (or chat completion) ``answer`` is (``Api.state_made``), if any."""
     try:
         body = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
-        body = None
-    if isinstance(body, dict):
-        named.append(api.state_made(body))
-    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
+        return None
+    return request.api.state_made(body) if isinstance(body, dict) else None
 
 
 def prompt_prefix(request: Request, config: Config) -> str:
