@@ -691,6 +691,51 @@ async def test_an_answer_deleted_while_in_flight_is_not_stored(gw, fake):
     assert (await gw.chat("Another question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
 
 
+async def test_no_request_after_a_delete_joins_a_running_follow_up_of_it(gw, fake):
+    # A follow-up of a response is running upstream when the response is deleted: an identical
+    # follow-up sent after the DELETE was coalesced onto it (the flight's key was indexed under
+    # the deleted response only once its answer was stored), where the upstream now refuses it.
+    fake.keeps_responses = True
+    made = (await gw.client.post(RESPONSES, json=body_of("responses", "Root"))).json()["id"]
+    follow = body_of("responses", "And then?", previous_response_id=made)
+    fake.chunk_gate = asyncio.Event()
+    leading = asyncio.create_task(stream(gw, RESPONSES, follow))
+    await fake.chunk_gate_reached.wait()  # (the upstream took the follow-up: it streams)
+    assert (await gw.client.delete(f"{RESPONSES}/{made}")).status_code == 200
+    late = asyncio.create_task(gw.client.post(RESPONSES, json=follow))
+    await eventually(
+        lambda: gw.gateway.flights.waiters == 2 or fake.count(RESPONSES) == 3,
+        what="the request sent after the DELETE",
+    )
+    fake.chunk_gate.set()
+    response, _ = await leading
+    assert response.status_code == 200  # (the call running then goes on for its clients)
+    refused = await late
+    assert refused.headers["x-carpool"] != "coalesced" and refused.status_code == 404
+
+
+async def test_no_request_after_a_delete_joins_the_streaming_call_that_made_it(gw, fake):
+    # A stream names its response first (response.created): its client deletes it while the
+    # rest streams. An identical request sent after the DELETE was coalesced onto that call and
+    # handed the deleted response (its id a 404 upstream).
+    fake.keeps_responses = True
+    fake.chunk_gate = asyncio.Event()
+    asked = body_of("responses", "Streamed, deleted while it streams")
+    leading = asyncio.create_task(stream(gw, RESPONSES, asked))
+    await fake.chunk_gate_reached.wait()
+    (made,) = fake.kept  # (response.created, naming it, is out to the client)
+    assert (await gw.client.delete(f"{RESPONSES}/{made}")).status_code == 200
+    late = asyncio.create_task(gw.client.post(RESPONSES, json=asked))
+    await eventually(
+        lambda: gw.gateway.flights.waiters == 2 or fake.count(RESPONSES) == 2,
+        what="the request sent after the DELETE",
+    )
+    fake.chunk_gate.set()
+    await leading
+    again = await late
+    assert again.headers["x-carpool"] != "coalesced" and again.json()["id"] != made
+
+
 async def test_an_answer_whose_response_the_index_forgot_is_not_kept(fake, gateway_with):
     # The index of what each stored response's DELETE drops is bounded (routing.state_entries):
     # a response it no longer knows has its answers dropped then, so that none outlives a

@@ -239,6 +239,60 @@ async def test_a_deleted_response_is_dropped_on_every_instance(fake, shared_redi
         assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
 
 
+async def test_no_instance_replays_a_deleted_responses_call_lingering_in_redis(fake, redis_server):
+    # A finished call lingers in Redis for the window (its lock, ``=TOKEN:MS``), replayed to an
+    # identical request on any instance. Deleted through the instance that made it (which
+    # dropped its entries, in Redis too, before answering), the other replayed it all the same
+    # within the window; so did the deleter once the other made it again and another deleted.
+    fake.keeps_responses = True
+    body = {"model": "m", "input": "Linger, then be deleted", "temperature": 0}
+    async with two_gateways(
+        fake, redis_server, coalesce={"window_ms": 60_000, "adaptive": False}
+    ) as (a, b):
+        rid = (await a.client.post("/v1/responses", json=body)).json()["id"]
+        assert (await a.client.delete(f"/v1/responses/{rid}")).status_code == 200
+        again = await b.client.post("/v1/responses", json=body)
+        assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
+        # Made by B this time, deleted through A: once A's message reaches B, neither replays it.
+        made = again.json()["id"]
+        channel = b.gateway.invalidations
+        assert channel is not None
+        assert (await a.client.delete(f"/v1/responses/{made}")).status_code == 200
+        await eventually(lambda: channel.counts["states_received"] == 2, what="B told of it")
+        for gateway in (a, b):
+            fresh = await gateway.client.post("/v1/responses", json=body)
+            assert fresh.headers["x-carpool"] == "miss" and fresh.json()["id"] != made
+            assert (await gateway.client.delete(f"/v1/responses/{fresh.json()['id']}")).is_success
+
+
+async def test_an_instance_that_followed_a_deleted_response_serves_it_no_more(fake, redis_server):
+    # B follows A's streamed call: B's own flight lingers with its answer in B's window. Deleted
+    # through B, which had not made it (the response named by another instance's stream), B's
+    # lingering flight was joined after the DELETE all the same, once A had dropped the rest.
+    fake.keeps_responses = True
+    fake.chunk_gate = asyncio.Event()
+    body = {"model": "m", "input": "Followed, then deleted", "temperature": 0}
+    async with two_gateways(
+        fake, redis_server, coalesce={"window_ms": 60_000, "adaptive": False}
+    ) as (a, b):
+        leading = asyncio.create_task(a.client.post("/v1/responses", json={**body, "stream": True}))
+        await fake.chunk_gate_reached.wait()
+        following = asyncio.create_task(b.client.post("/v1/responses", json=body))
+        assert b.gateway.shared_flights is not None
+        await eventually(lambda: b.gateway.shared_flights.following == 1, what="B following")
+        fake.chunk_gate.set()
+        await leading
+        followed = await following
+        rid = followed.json()["id"]
+        assert followed.headers["x-carpool"] == "coalesced"
+        channel = a.gateway.invalidations
+        assert channel is not None
+        assert (await b.client.delete(f"/v1/responses/{rid}")).status_code == 200
+        await eventually(lambda: channel.counts["states_received"] == 1, what="A told of it")
+        again = await b.client.post("/v1/responses", json=body)
+        assert again.headers["x-carpool"] == "miss" and again.json()["id"] != rid
+
+
 async def test_a_deleted_stored_chat_completion_is_dropped_on_every_instance(fake, shared_redis):
     # As a stored response: deleted through one instance, the chat completion (``store:
     # true``) another instance made and stored in Redis is no longer served by either.

@@ -43,3 +43,42 @@ async def test_the_answers_under_every_tag_are_bounded_and_the_tags_just_added_s
         assert index.answers(f"\nstate B{n}") == 1
     await asyncio.sleep(0)
     assert forgotten  # (what was pushed out was forgotten)
+
+
+async def test_a_call_indexed_while_it_runs_leaves_nothing_once_it_ends_unkept():
+    """A call is indexed from its start (``fly``) under the response it continues, so that a
+    DELETE of it shuts the call's flight; one that fails or is not kept (``landed``, not
+    lingering) leaves nothing behind, one that lingers stays indexed as a stored answer does,
+    and an answer stored meanwhile under the same key stays indexed."""
+    index = StateIndex(max_entries=10)
+    failed = index.fly(["\nstate P"], "key-1")
+    assert index.answers("\nstate P") == 1
+    index.landed(failed, "key-1", lingers=False)
+    assert index.answers("\nstate P") == 0
+    lingering = index.fly(["\nstate P"], "key-2")
+    index.landed(lingering, "key-2", lingers=True)
+    stored = index.fly(["\nstate P"], "key-3")
+    index.add(["\nstate P"], ["key-3"])  # (its answer, stored as it ends)
+    index.landed(stored, "key-3", lingers=False)
+    held = index.take("\nstate P")
+    assert list(held.keys) == ["key-2", "key-3"] and not held.flying
+    # Deleted: a call continuing it is not indexed (the upstream refuses it).
+    assert index.fly(["\nstate P"], "key-4") == [] and index.answers("\nstate P") == 0
+
+
+async def test_calls_running_count_in_the_bounds_and_are_shut_when_pushed_out():
+    index = StateIndex(max_entries=10)
+    forgotten: list[Held] = []
+
+    async def evicted(held: Held) -> None:
+        forgotten.append(held)
+
+    index.evicted = evicted
+    running = [index.fly([f"\nstate R{n}"], f"key-{n}") for n in range(100)]
+    assert len(index) <= 10 and sum(index.answers(f"\nstate R{n}") for n in range(100)) <= 20
+    await asyncio.sleep(0)
+    # (What was pushed out had its flights shut: ``Gateway._forget_held`` reads ``flying``.)
+    assert {key for held in forgotten for key in held.flying} == {f"key-{n}" for n in range(90)}
+    for n, flown in enumerate(running):
+        index.landed(flown, f"key-{n}", lingers=False)  # (a pushed-out tag is left as it is)
+    assert sum(index.answers(f"\nstate R{n}") for n in range(100)) == 0

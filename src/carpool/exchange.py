@@ -33,7 +33,9 @@ Contract:
   ``no-store`` only of such an answer). A status other than 2xx
   raises ``UpstreamStatusError`` with the upstream's body; a stream that stopped short, or sent
   an error event, raises ``UpstreamStreamBroken`` (the engine's error object kept as it came):
-  the flight fails, and nothing is stored.
+  the flight fails, and nothing is stored. ``made`` (a request that keeps state upstream) is
+  told the response a 2xx answer makes as ``layers.holders`` is, before any client can read
+  its id (``_Remembering``): ``Leader.lead`` indexes the flight under it (``state_index``).
 - With ``owner`` (a worker of ``carpool serve --workers N`` without ``redis``, ``carpool.peers``),
   ``fetch`` asks that worker instead of the upstream and reads its answer as an upstream's: the
   owner counts the upstream call, this worker a peer call. An answer the owner served from its
@@ -222,11 +224,17 @@ class Exchange:
         self.config = layers.config
 
     async def fetch(
-        self, request: Request, broadcast: Broadcast, owner: int | None = None
+        self,
+        request: Request,
+        broadcast: Broadcast,
+        owner: int | None = None,
+        made: Callable[[str], None] | None = None,
     ) -> Answer:
         """The upstream call: streamed into ``broadcast`` frame by frame, then assembled.
         ``owner``: the worker that leads this key's calls (``carpool.peers``), asked instead
-        (the upstream still, if it does not answer)."""
+        (the upstream still, if it does not answer). ``made``: told the state a 2xx answer
+        makes (``Api.state_made``) before any client can read it: a whole body's at once, a
+        stream's at its first payload naming it (``_Remembering``)."""
         api, body, stream = request.api, request.body, request.stream
         # Streamed anyway when the config says so (``_streams``), so that streaming clients
         # joining this call get it live; with the usage the clients may not have asked for
@@ -259,13 +267,15 @@ class Exchange:
             response = await send(
                 self.layers, upstream_request, self._routing_text(request), request
             )
-        made: float | None = None
+        if made is not None and 200 <= response.status < 300:
+            response = _remembering(response, api, made)
+        created: float | None = None
         if response.headers.get("age", "").isdigit():
             # From a cache (the owner's): as old as it was there (an upper bound: the header
             # counts whole seconds), so that no copy outlives the original's TTL. Known from
             # the head, before the frames: a streaming client's hit says its age too.
-            made = self.layers.clock.now() - int(response.headers["age"]) - 1
-            broadcast.created = made
+            created = self.layers.clock.now() - int(response.headers["age"]) - 1
+            broadcast.created = created
         # (An owner's hit or shared call says nothing of this requester's credentials: the
         # upstream did not see them.)
         judges = said is None or said == Outcome.MISS
@@ -293,7 +303,7 @@ class Exchange:
             # The owner died before its first frame: nobody saw any of it, the call is made here.
             broadcast.remote = broadcast.cached = False
             broadcast.created = None
-            return await self.fetch(request, broadcast)
+            return await self.fetch(request, broadcast, made=made)
         except UpstreamStreamBroken as error:
             # Its head said 2xx, as the attempt was counted: the call failed all the same, for
             # this requester (its error event may quote the request: ``for_others``). (After
@@ -322,8 +332,8 @@ class Exchange:
         # it of the answer (``reply.whole``: a stream of a whole answer it was told so of).
         if not response.streaming or said is not None:
             answer.no_store = not shared_cache_may_store(response.headers.get("cache-control", ""))
-        if made is not None:
-            answer.created = made
+        if created is not None:
+            answer.created = created
         elif said == Outcome.COALESCED:
             # Joined at the owner, perhaps after its call ended (a finished flight stays
             # joinable for the coalescing window, and says no age): at most that old.

@@ -22,9 +22,16 @@ Contract:
   (``store.base.state_tag``): the stored response it continues and the one it is, in the
   requester's tenant, in the exact and the semantic cache alike;
   its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
-  of either drops). One whose response (continued or made) was deleted while its call ran is
-  not stored (``StateIndex.deleted``, asked before it is stored and again once it is: one
-  deleted meanwhile is taken back).
+  of either drops). The call is indexed under them while it runs too (``StateIndex.fly``):
+  under the response it continues from its start, under the one it makes as soon as the
+  upstream names it (``Exchange.fetch``'s ``made``: before any client reads the id; a call
+  followed or replayed from another instance, whose stream named it there: by its whole
+  answer, before this flight's clients have its end), with the key its flight is led under
+  (``flying``), so that a ``DELETE`` of either shuts the flight,
+  which no request joins from then on; once it ends, indexed no more unless its answer
+  lingers (``StateIndex.landed``). One whose response (continued or made) was deleted while
+  its call ran is not stored (``StateIndex.deleted``, asked before it is stored and again once
+  it is: one deleted meanwhile is taken back).
 - A cached answer is read, whoever stored it, only while it is younger than its request's
   ``read_age``: its ``max-age`` bounded by its type's TTL in this instance's config (0: not at
   all). A shared flight's claim that finds an answer stored (``redis/flights.py``'s ``load``)
@@ -71,6 +78,7 @@ from .canonical import collapses, normalize_text
 from .exchange import flight_key, without_usage
 from .fingerprint import Fingerprint, SemanticView, semantic_view
 from .request import Request
+from .state_index import Held
 from .store import Entry
 from .store.base import PROMPT_PREFIX_CHARS, prompt_text, state_tag
 
@@ -123,6 +131,7 @@ class Leader:
         *,
         epoch: int,
         alone: bool = False,
+        flying: str | None = None,
     ) -> Answer:
         """The flight's answer: runs in the flight's own task, never in a client's.
 
@@ -130,7 +139,9 @@ class Leader:
         flight ends. With shared flights (``redis``) the call is made by the one instance that
         leads it for all, and followed by the others (``redis/flights.py``); ``alone``: here.
         With the semantic cache, the prompt is embedded while the upstream answers (unless the
-        probe did already), so that its entry too is in before the flight ends.
+        probe did already), so that its entry too is in before the flight ends. ``flying``: the
+        key the flight is led under (None: ``flight_key``'s), which a ``DELETE`` of the
+        response the call continues or makes shuts (``state_index``).
         """
         embedding = None
         if (
@@ -159,10 +170,32 @@ class Leader:
         shared_store = self.shared_store if key.key is not None and storable else None
         oldest = read_age(self.config, request)
 
+        # Indexed while it runs, under the response it continues from its start and under the
+        # one it makes as soon as the upstream names it (before a client can see the id): a
+        # DELETE of either shuts the flight, which no request joins from then on
+        # (``StateIndex.fly``); indexed no more once it ends, unless its answer lingers.
+        flown: list[tuple[str, Held]] = []
+        made: Callable[[str], None] | None = None
+        led = ""
+        if key.key is not None and request.api.keeps_state(request.body):
+            led = flying if flying is not None else flight_key(key.key, request, self.config)
+            continued = request.api.state_continued(request.body)
+            if continued is not None:
+                flown += self.states.fly((state_tag(key.owner, continued),), led)
+
+            def made(state: str) -> None:
+                tag = state_tag(key.owner, state)
+                if self.states.deleted((tag,)):
+                    # Named only after its DELETE (a call followed from another instance,
+                    # named at its end here): joined by no request from now on, nor lingering.
+                    self.flights.shut(led)
+                else:
+                    flown.extend(self.states.fly((tag,), led))
+
         async def call(broadcast: Broadcast) -> Answer:
             if shared_store is not None:  # (Redis's count of invalidations, before the call)
                 begun.generation = await shared_store.generation()
-            return await self.fetch(request, broadcast, owner=owner)
+            return await self.fetch(request, broadcast, owner=owner, made=made)
 
         store: Callable[[Answer], Awaitable[str]] = partial(
             self._store,
@@ -178,6 +211,7 @@ class Leader:
             store = partial(self._keep_for_joiner, broadcast, epoch=epoch, begun=begun)
         if self.invalidations is not None:  # (lazily, without the server)
             self.invalidations.start()
+        answer: Answer | None = None
         try:
             if self.shared_flights is None or alone or key.key is None:
                 answer = await call(broadcast)
@@ -216,11 +250,22 @@ class Leader:
             # Followed, replayed or loaded: the instance that led it stored it as this one
             # would have (a loaded answer is the stored one).
             kept = bool(stored[-1]) if stored else storable or broadcast.cached
+            if made is not None and not stored:
+                # Its stream named the response on the instance that led it; here, by its
+                # whole answer, before this flight's clients have its end: indexed so, while
+                # it lingers here, a DELETE of it shuts it (``state_index``).
+                named = _state_made(request, answer)
+                if named is not None:
+                    made(named)
             self._label(broadcast, request, key, kept)
             return answer
         finally:
             if embedding is not None:  # not stored (a failure, a follower)
                 _discard(embedding)
+            if flown:
+                # (Lingering, as ``FlightGroup._fly`` judges: joinable still, so indexed.)
+                lingers = answer is not None and answer.storable and not controls.no_store
+                self.states.landed(flown, led, lingers)
 
     def _label(self, broadcast: Broadcast, request: Request, key: Fingerprint, kept: bool) -> None:
         """What an invalidation names the answer by and whether a cache keeps it, for its
@@ -431,15 +476,17 @@ def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]
     (``state_tag``): the stored response it continues (``Api.state_continued``) and the one it is
     (``Api.state_made``), each in the requester's tenant (``owner``), whose ``DELETE`` of
     either drops it."""
-    api = request.api
-    named = [api.state_continued(request.body)]
+    named = [request.api.state_continued(request.body), _state_made(request, answer)]
+    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
+
+
+def _state_made(request: Request, answer: Answer) -> str | None:
+    """The stored response (or chat completion) ``answer`` is (``Api.state_made``), if any."""
     try:
         body = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
-        body = None
-    if isinstance(body, dict):
-        named.append(api.state_made(body))
-    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
+        return None
+    return request.api.state_made(body) if isinstance(body, dict) else None
 
 
 def prompt_prefix(request: Request, config: Config) -> str:

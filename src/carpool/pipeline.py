@@ -80,7 +80,7 @@ Contract:
   ``DELETE /chat/completions/{id}`` the upstream answers 2xx first drops, in the deleter's
   tenant, the answers that are or continue that object (their ``state_tag``), by key: those this
   process stored under it (``state_index``: its keys, their lingering flights, their semantic
-  entries), then each other worker's (``Peers.forget_state``) and instance's (the Redis
+  entries) and the flights whose calls run under it (shut: no request joins them), then each other worker's (``Peers.forget_state``) and instance's (the Redis
   invalidation channel's ``publish_state``), then is relayed. Not an invalidation: no other
   flight is forgotten, no epoch moved, no layer scanned. Redis failing, the shared ones stay
   to their TTL (logged: the upstream deleted it all the same). Its answer is the caller's to
@@ -370,7 +370,14 @@ class Gateway:
         # invalidation came before it ended (``Leader._store``).
         # A peer's request is led here, never passed on again: its worker chose this one.
         lead = partial(
-            self.leader.lead, request, key, view, probe, epoch=self.flights.epoch, alone=client.peer
+            self.leader.lead,
+            request,
+            key,
+            view,
+            probe,
+            epoch=self.flights.epoch,
+            alone=client.peer,
+            flying=flying,
         )
         ticket = self.flights.acquire(
             flying, lead, max_age=join_age, linger=not controls.no_store, owner=key.owner
@@ -459,7 +466,7 @@ class Gateway:
         ticket: Ticket,
         request: Request,
         key: Fingerprint,
-        lead: Callable[[Broadcast], Any],
+        lead: partial[Any],  # (``Leader.lead``'s: a flight of another key is led ``flying``)
         takeover: Callable[[Broadcast], Any] | None = None,
     ) -> Reply:
         """Wait on a flight as its leader or a joiner, then reply from its broadcast."""
@@ -519,7 +526,11 @@ class Gateway:
                     ticket.release()
                     flying = flight_key(f"{key.key}\n{key.owner}", request, self.config)
                     ticket = self.flights.acquire(
-                        flying, lead, max_age=0, linger=False, owner=key.owner
+                        flying,
+                        partial(lead, flying=flying),  # (indexed under it: ``state_index``)
+                        max_age=0,
+                        linger=False,
+                        owner=key.owner,
                     )
                     await self._wait(ticket, request, None)
                 own = _refused_its_body(ticket, request)
@@ -530,7 +541,11 @@ class Gateway:
                     ticket.release()
                     flying = flight_key(f"{key.key}\nbody {own}", request, self.config)
                     ticket = self.flights.acquire(
-                        flying, lead, max_age=0, linger=False, owner=key.owner
+                        flying,
+                        partial(lead, flying=flying),  # (indexed under it: ``state_index``)
+                        max_age=0,
+                        linger=False,
+                        owner=key.owner,
                     )
                     await self._wait(ticket, request, None)
         except BaseException:
@@ -793,10 +808,15 @@ class Gateway:
         return await self._forget_held(self.layers.states.take(tag))
 
     async def _forget_held(self, held: Held) -> int:
-        """``held``'s answers dropped: each key's lingering flight, its entry (here and in
-        Redis: ``SharedStore.forget``), its semantic entries (this process's copies; another
-        instance's reference to the key dies with it)."""
+        """``held``'s answers dropped: each key's lingering flight (here and in Redis:
+        ``SharedFlights.forget``), its entry (here and in Redis: ``SharedStore.forget``), its
+        semantic entries (this process's copies; another instance's reference to the key dies
+        with it); and the flights whose calls run under
+        it shut (``StateIndex.fly``): no request joins them from now on, and their answers,
+        which are or continue it, are not stored (``Leader._store`` asks)."""
         dropped = 0
+        for key in held.flying:
+            self.flights.shut(key)
         for key in held.keys:
             self.flights.shut(key)
             try:
@@ -806,6 +826,12 @@ class Gateway:
         if self.semantic is not None:
             for entry in held.entries:
                 dropped += self.semantic.forget_entry(entry)
+        if self.shared_flights is not None:
+            # Their calls kept joinable in Redis (lingering in the window, or running) are
+            # replayed or followed by no instance from now on, this one included: the entries
+            # are gone, and a replay would hand the deleted response out again. (Not counted:
+            # the answers are.)
+            await self.shared_flights.forget(dict.fromkeys((*held.keys, *held.flying)))
         return dropped
 
     async def invalidate(self, spec: Any, *, everywhere: bool = True) -> int:

@@ -11,8 +11,18 @@ Contract:
 - ``add(tags, keys, entry)``: ``Leader._store`` names, before it stores an answer carrying state
   tags, the exact-cache keys it is put (and its flight was led) under; ``entry``, once it is in
   the semantic cache, that cache's id of it (``SemanticCache.forget_entry``). O(1) a tag.
-- ``take(tag)``: what this process stored under ``tag`` (its keys and semantic entries), no
-  longer held here; ``tag`` is remembered as deleted from then on (``deleted``). O(its keys).
+- ``fly(tags, key)``: ``Leader.lead`` names a call as it begins, under the response it
+  continues, and again as the upstream first names the response it makes (a stream's first
+  lifecycle event, before any client sees it; a whole answer), with the key its flight is led
+  under (``Held.flying``, counted: two calls of a key may run); ``landed`` once it ends: the
+  key stays indexed if its answer lingers in the window (joinable still), else it goes (a
+  stored answer's keys were ``add``-ed): a call that failed or was not kept leaves nothing.
+  So a ``DELETE`` shuts the flights running under the tag too (``Gateway.forget_state``): no
+  request joins them from then on. A call counts in the bounds as an answer while it runs.
+- ``take(tag)``: what this process stored under ``tag`` (its keys and semantic entries) and the
+  flights running under it, no longer held here; ``tag`` is remembered as deleted from then on
+  (``deleted``; a call continuing it is not indexed, ``fly``: the upstream refuses it). O(its
+  keys).
 - ``deleted(tags)``: whether one of ``tags`` was taken: an answer continuing (or being) a
   response deleted while its call ran is not stored (``Leader._store`` asks before storing,
   and again once stored, taking back what it put meanwhile). The last ``TOMBSTONES`` tags
@@ -47,13 +57,19 @@ PER_TAG = 1_024
 
 
 class Held:
-    """What one tag's answers are here: exact-cache keys, semantic entries (ids)."""
+    """What one tag's answers are here: exact-cache keys, semantic entries (ids), and the keys
+    of the flights whose calls run under it (each with how many calls: ``fly``)."""
 
-    __slots__ = ("entries", "keys")
+    __slots__ = ("entries", "flying", "keys")
 
     def __init__(self) -> None:
         self.keys: dict[str, None] = {}  # (insertion-ordered, deduplicated)
         self.entries: dict[int, None] = {}
+        self.flying: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        """Its answers, as the bounds count them (a call running: one)."""
+        return len(self.keys) + len(self.entries) + len(self.flying)
 
 
 class StateIndex:
@@ -77,7 +93,7 @@ class StateIndex:
         keys, tags = tuple(keys), tuple(tags)
         for tag in tags:
             held = self._held.get(tag)
-            if held is not None and len(held.keys) + len(held.entries) >= PER_TAG:
+            if held is not None and len(held) >= PER_TAG:
                 # Full: what it held goes, and it starts again with what is added now (pushed
                 # out after, the answer being stored could be forgotten before it is put, then
                 # stored under a tag no longer held).
@@ -86,21 +102,66 @@ class StateIndex:
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
-            before = len(held.keys) + len(held.entries)
+            before = len(held)
             for key in keys:
                 held.keys[key] = None
             if entry is not None:
                 held.entries[entry] = None
-            self._answers += len(held.keys) + len(held.entries) - before
+            self._answers += len(held) - before
+        self._bound(len(tags))
+
+    def fly(self, tags: Iterable[str], key: str) -> list[tuple[str, Held]]:
+        """A call begins (or has just named the response it makes) under ``tags``, its flight
+        led under ``key``: a ``DELETE`` of one of them shuts that flight from now on, running
+        or done (``Gateway.forget_state``). What to hand ``landed`` once the call ends; a tag
+        deleted already is left out (its call is the upstream's to refuse)."""
+        flown: list[tuple[str, Held]] = []
+        tags = tuple(tag for tag in tags if tag not in self._gone)
+        for tag in tags:
+            held = self._held.get(tag)
+            if held is not None and len(held) >= PER_TAG:
+                self._push_out(tag)  # (as ``add`` does)
+                held = None
+            if held is None:
+                held = Held()
+                self._held.put(tag, held)
+            before = len(held)
+            held.flying[key] = held.flying.get(key, 0) + 1
+            self._answers += len(held) - before
+            flown.append((tag, held))
+        self._bound(len(tags))
+        return flown
+
+    def landed(self, flown: Iterable[tuple[str, Held]], key: str, lingers: bool) -> None:
+        """The call ``fly`` indexed under ``key`` ended. Its answer lingering in the window
+        (``lingers``), ``key`` stays indexed as a stored answer's is (till a ``DELETE`` or its
+        tag is pushed out): the flight is joinable still. Else the call is indexed no more (a
+        stored answer was indexed by ``add``): one that failed, or was not stored, leaves
+        nothing behind. A tag taken or pushed out meanwhile is left as it is."""
+        for tag, held in flown:
+            calls = held.flying.get(key, 0)
+            if calls == 0:
+                continue
+            before = len(held)
+            if calls > 1:
+                held.flying[key] = calls - 1
+            else:
+                del held.flying[key]
+                if lingers:
+                    held.keys[key] = None
+            if self._held.peek(tag) is held:
+                self._answers += len(held) - before
+
+    def _bound(self, added: int) -> None:
         # Over the answers' bound: the least recently stored under go, never the tags just
         # added to (the answer being stored is theirs).
-        while self._answers > self._max_answers and len(self._held) > len(tags):
+        while self._answers > self._max_answers and len(self._held) > added:
             self._held.evict()  # (``_pushed_out``)
 
     def answers(self, tag: str) -> int:
         """How many answers this process holds under ``tag`` (keys and entries)."""
         held = self._held.peek(tag)
-        return 0 if held is None else len(held.keys) + len(held.entries)
+        return 0 if held is None else len(held)
 
     def deleted(self, tags: Iterable[str]) -> bool:
         return any(tag in self._gone for tag in tags)
@@ -108,7 +169,7 @@ class StateIndex:
     def take(self, tag: str) -> Held:
         self._gone.put(tag, True)
         held = self._held.pop(tag) or Held()
-        self._answers -= len(held.keys) + len(held.entries)
+        self._answers -= len(held)
         return held
 
     def _push_out(self, tag: str) -> None:
@@ -117,7 +178,7 @@ class StateIndex:
             self._pushed_out(tag, held)
 
     def _pushed_out(self, _: str, held: Held) -> None:
-        self._answers -= len(held.keys) + len(held.entries)
+        self._answers -= len(held)
         if self.evicted is None:
             return
         task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(self.evicted(held))

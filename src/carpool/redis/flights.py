@@ -41,7 +41,8 @@ which coalesces the local flights of every instance:
   the window (honouring ``max_age``: ``Cache-Control: no-cache`` joins only a call still
   running), as a finished local flight lingers. Any other ending deletes the lock: the next
   request leads a new call. ``forget_all`` (``/admin/invalidate``) deletes every lingering
-  lock, whichever instance made it.
+  lock, whichever instance made it; ``forget(keys)`` those of ``keys`` (a deleted response's
+  calls, ``Gateway.forget_state``), marking their running calls stale as ``forget_all`` does.
 - A replay is as old as the call it replays: the claim says how long ago that call ended
   (Redis time), and the local flight that replayed it finished then (``Broadcast.replayed``):
   a request that joins it here, while it replays or lingering, gets it only if that age is one
@@ -141,7 +142,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..answer import Answer
@@ -285,6 +286,23 @@ class SharedFlights:
         except StoreUnavailable as error:
             self._failed(error)
         return dropped
+
+    async def forget(self, keys: Iterable[str]) -> int:
+        """``forget_all`` for ``keys`` only (a deleted response's: ``Gateway.forget_state``),
+        without a scan and without moving Redis's count of invalidations: their finished
+        calls are replayed no more, their running ones are marked stale (nobody new follows
+        them, their answers are not stored, nor replayed once finished). How many it dropped
+        or marked; a Redis failure is reported, not raised (the locks linger to their window's
+        end then, their entries already dropped)."""
+        locks = [flight_keys(self.prefix, key)[0].encode() for key in keys]
+        if not locks:
+            return 0
+        try:
+            with _unavailable("forget a deleted response's flights"):
+                return await self._forget_batch(locks)
+        except StoreUnavailable as error:
+            self._failed(error)
+            return 0
 
     async def _forget_batch(self, locks: list[bytes]) -> int:
         pipe = self._client.pipeline(transaction=False)
