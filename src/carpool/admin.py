@@ -24,8 +24,9 @@ Contract:
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures). Its ``semantic_audit`` lists
-  at most ``METRIC_NAMESPACES`` namespaces, those ``/metrics`` labels, in its order
-  (``metrics.labelled``: not serving first, then the most audited in all), and
+  at most ``METRIC_NAMESPACES`` namespaces, ranked as ``/metrics`` ranks those it labels
+  (``metrics.labelled``: not serving first, then the most audited in all) among the namespaces
+  with live audits (one reset has none here; ``/metrics`` keeps its totals), and
   ``semantic_audit_more`` counts the others: namespaces are the clients' to name, and a list of
   every one (up to 20,000) made each poll of the dashboard megabytes. ``GET
   /admin/semantic/audit`` lists them all (``Audits.snapshot``).
