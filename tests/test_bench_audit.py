@@ -96,10 +96,11 @@ def audit_run(out: Path, **semantic) -> dict:
         out=out,
         config=Config(semantic={"verifier_threshold": 0.2, **semantic}),
         workload="audit",
-        # (Enough requests after the back-off to tell the runs apart: the audits that bring it
-        # are judged beside the replay, so on a loaded machine it came at request ~206 of 240.)
+        # (Enough requests after the back-off to tell the runs apart, sent slowly enough for
+        # the audits that bring it, judged beside the replay, to keep up: on a loaded machine,
+        # at 60 requests/s, it came at request ~206 of 240, and late in 480 too.)
         requests=480,
-        rate=60,
+        rate=30,
         seed=1,
         progress=False,
     )
@@ -108,7 +109,7 @@ def audit_run(out: Path, **semantic) -> dict:
 
 @pytest.fixture(scope="module")
 def free(tmp_path_factory) -> tuple[Path, dict]:
-    """The loose cache's run without a budget, read by both tests below (the replay takes ~20 s
+    """The loose cache's run without a budget, read by both tests below (the replay takes ~25 s
     on two cores, and the same options make the same run)."""
     out = tmp_path_factory.mktemp("free")
     return out, audit_run(out)

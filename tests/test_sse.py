@@ -1290,7 +1290,10 @@ def test_is_complete_rejects_aborted_and_errored_choices():
 
 
 def test_is_complete_requires_a_non_empty_list_of_embeddings():
-    assert is_complete("embedding", {"data": [{"embedding": [0.1, 0.2]}, {"embedding": "AAAA"}]})
+    assert is_complete("embedding", {"data": [{"embedding": [0.1, 0.2]}, {"embedding": [0, 1]}]})
+    assert is_complete(
+        "embedding", {"data": [{"embedding": "AAAAAA=="}, {"embedding": "AACAPw=="}]}
+    )
     assert not is_complete("embedding", {"data": []})
     assert not is_complete("embedding", {"data": [{"embedding": [0.1]}, {"index": 1}]})
     assert not is_complete("embedding", {"data": {"embedding": [0.1]}})
