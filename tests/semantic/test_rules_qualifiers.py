@@ -159,8 +159,13 @@ def test_qualifiers_just_is_only():
     b = "Do I need a visa if I am just staying for a week?"
     assert passes(a, b)
     assert refusal(a, b) is None
-    # "just" alone is often "simply" ("Can I just leave?"): unlike "only", the verifier's.
+    # "just" alone is often "simply" ("Can I just leave?"): unlike "only", the verifier's; and
+    # so against another quantifier (a development rewording, refused when "just" was "only").
     assert passes("Can I just leave the car here?", "Can I leave the car here?")
+    assert passes(
+        "Is this the real life or is this some fantasy?",
+        "Is this the real life, or is this just fantasy?",
+    )
     assert not passes("Can I only leave the car here?", "Can I leave the car here?")
 
 

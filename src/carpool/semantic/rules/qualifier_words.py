@@ -5,7 +5,9 @@ read longest phrase first; ``solo`` are the classes that change a question on on
 ``sets``: the classes are compared as sets (a tense said twice is one time frame);
 ``companions``: classes read only beside another class of the family in the same edit;
 ``alike``: ``"class=class ..."``, a class compared as another against it, and as itself alone
-("each day" / "every day" is one question, "each" alone is not "all"'s restriction). A
+("each day" / "every day" is one question, "each" alone is not "all"'s restriction);
+``loose``: classes of ``alike`` read only against the class they are like ("just" is "only"
+against "only", and elsewhere often "simply": "Is this just fantasy?" / "...some fantasy?"). A
 phrase of class ``-`` is read so that its words are no other phrase, and counts for nothing
 ("of all time" is no "all", "the most interesting" no "most", "how can I" asks a way as "how
 should I" does: each measured refusing true rewordings of the development pairs).
@@ -24,6 +26,7 @@ class Family:
     sets: bool = False
     companions: frozenset[str] = frozenset()
     alike: dict[str, str] = field(default_factory=dict, compare=False)
+    loose: frozenset[str] = frozenset()
 
 
 def _entries(table: str) -> list[str]:
@@ -44,6 +47,7 @@ def _family(
     sets: bool = False,
     companions: str = "",
     alike: str = "",
+    loose: str = "",
 ) -> Family:
     phrases = []
     for entry in _entries(table):
@@ -57,6 +61,7 @@ def _family(
         sets,
         frozenset(companions.split()),
         dict(pair.split("=") for pair in alike.split()),
+        frozenset(loose.split()),
     )
 
 
@@ -85,8 +90,10 @@ QUANTIFIERS = _family(
     solo="only all none atmost atleast",
     # "every day" / "each day" / "per day", "only staying" / "just staying": one question. Alone,
     # "each" does not say "all" of a group ("Is each employee" / "Is an employee"), and "just"
-    # is often "simply" ("Can I just leave?"): neither is solo.
+    # is often "simply" ("Can I just leave?"): neither is solo, and "just" is read against "only"
+    # alone.
     alike="each=all just=only",
+    loose="just",
 )
 #: Must, may, should or will ("will I have to" / "might I have to"); asked of a way ("how can I" / "how should I") it is one question.
 MODALITY = _family(

@@ -22,7 +22,8 @@ verifier, which reads the shared words, scored them 0.97-0.99. The rule reads ea
 
 Some classes are one against each other and not alone (a family's ``alike``): "every day" /
 "each day" / "per day", "only staying" / "just staying" are one question, but "each" or "just"
-added alone restricts nothing. Two ways of saying a tense are read as the plain one first: "be
+added alone restricts nothing, and "just" against another class than "only" is often "simply"
+("Is this some fantasy?" / "Is this just fantasy?"). Two ways of saying a tense are read as the plain one first: "be
 going to" is "will" ("Is it going to rain" / "Will it rain"), and a perfect infinitive is the
 past ("Who is the first to have walked on the moon" / "Who was the first to walk..."). A settled
 fact asked in another tense otherwise stays refused: no word tells "What were the causes" /
@@ -129,6 +130,21 @@ def _alike(labels: Counter[str], family: Family) -> Counter[str]:
     return Counter(set(folded)) if family.sets else folded
 
 
+def _against(x: Counter[str], y: Counter[str], family: Family) -> Counter[str]:
+    """``x`` without its loose classes that ``y`` has not the like of ("just" against no
+    "only": :attr:`Family.loose`)."""
+    if not family.loose:
+        return x
+    other = set(_alike(y, family))
+    return Counter(
+        {
+            label: n
+            for label, n in x.items()
+            if label not in family.loose or family.alike[label] in other
+        }
+    )
+
+
 def _edited(found: list[tuple[int, int, str]], changed: set[int], sets: bool) -> Counter[str]:
     """The classes of the phrases that cover a changed word."""
     labels = Counter(
@@ -142,6 +158,7 @@ def _family_differs(
 ) -> bool:
     x = _edited(_phrases(a, family), ca, family.sets)
     y = _edited(_phrases(b, family), cb, family.sets)
+    x, y = _against(x, y, family), _against(y, x, family)
     if _alike(x, family) == _alike(y, family) or set(x) | set(y) <= family.companions:
         return False
     if x and y:
