@@ -270,6 +270,28 @@ def test_numbers_a_unit_typed_in_lower_case_or_shouted_passes():
         assert passes(numbers.RULE, a, b), (a, b)
 
 
+def test_numbers_only_a_prefix_or_bits_against_bytes_is_a_unit_case():
+    # Only m / M (milli / mega), p / P and b / B (bits / bytes) say something by their case: a
+    # word after a number ("15 Pro", "11 Home") or a capitalised G or K (no giga or kilo in
+    # another case) is how it was typed.
+    for a, b in (
+        ("Is the iPhone 15 Pro worth it?", "Is the iPhone 15 PRO worth it?"),
+        ("Is Windows 11 Home good for gaming?", "Is Windows 11 HOME good for gaming?"),
+        ("Is a 3 Ghz processor fast enough for gaming?", "Is a 3 GHz processor fast enough?"),
+        ("How much does 1 Kwh of electricity cost?", "How much does 1 kWh of electricity cost?"),
+        ("Is a 100 Mhz oscilloscope enough?", "Is a 100 MHz oscilloscope enough?"),
+        ("Is a 2 KB file small?", "Is a 2 kB file small?"),
+    ):
+        assert passes(numbers.RULE, a, b), (a, b)
+        assert refusal(a, b) is None, (a, b)
+    for a, b in (
+        ("Is a 5 MW turbine big?", "Is a 5 mW turbine big?"),
+        ("How long to download 2 Gb?", "How long to download 2 GB?"),
+        ("Is a 3 MeV photon harmful?", "Is a 3 meV photon harmful?"),
+    ):
+        assert not passes(numbers.RULE, a, b), (a, b)
+
+
 def test_numbers_am_and_pm_written_another_way_or_am_as_a_verb_pass():
     for a, b in (
         ("Set an alarm for 7 am.", "Set an alarm for 7 a.m."),

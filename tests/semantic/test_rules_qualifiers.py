@@ -51,6 +51,16 @@ def passes(a: str, b: str) -> bool:
         ("Will I have to pay capital gains tax?", "Might I have to pay capital gains tax?"),
         # when
         ("Was Pluto a planet?", "Is Pluto a planet?"),
+        # A settled fact asked in another tense is refused too: no word tells it from Pluto's.
+        (
+            "What were the main causes of the French Revolution?",
+            "What are the main causes of the French Revolution?",
+        ),
+        (
+            "Who was the first person to walk on the moon?",
+            "Who will be the first to walk on the moon?",
+        ),
+        ("Is it going to rain tomorrow?", "Was it going to rain tomorrow?"),
         ("How did Rome change during the Republic?", "How did Rome change after the Republic?"),
         ("What did the Fed do last month?", "What will the Fed do next month?"),
         # how much
@@ -118,3 +128,66 @@ def test_qualifiers_read_only_the_edit_however_long_the_text(monkeypatch, words)
     text = " ".join(["word"] * words)
     assert qualifiers.RULE.differs(text + " for all of them?", text + " for some of them?")
     assert seen and max(seen) <= qualifiers.SPAN + 2 * qualifiers.MARGIN
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("How much water should I drink every day?", "How much water should I drink each day?"),
+        ("How much water should I drink per day?", "How much water should I drink every day?"),
+        ("Should I brush my teeth after every meal?", "Should I brush my teeth after each meal?"),
+        ("Is every employee entitled to sick leave?", "Is each employee entitled to sick leave?"),
+        ("Are all employees entitled to sick leave?", "Is each employee entitled to sick leave?"),
+    ],
+)
+def test_qualifiers_each_and_per_are_every(a, b):
+    assert passes(a, b)
+    assert refusal(a, b) is None
+
+
+def test_qualifiers_each_against_another_quantifier_is_refused():
+    for a, b in (
+        ("Is none of the noble gases reactive?", "Is each of the noble gases reactive?"),
+        ("Does each parent need to sign?", "Do both parents need to sign?"),
+        ("Does each parent need to sign?", "Does either parent need to sign?"),
+    ):
+        assert not passes(a, b), (a, b)
+
+
+def test_qualifiers_just_is_only():
+    a = "Do I need a visa if I am only staying for a week?"
+    b = "Do I need a visa if I am just staying for a week?"
+    assert passes(a, b)
+    assert refusal(a, b) is None
+    # "just" alone is often "simply" ("Can I just leave?"): unlike "only", the verifier's; and
+    # so against another quantifier (a development rewording, refused when "just" was "only").
+    assert passes("Can I just leave the car here?", "Can I leave the car here?")
+    assert passes(
+        "Is this the real life or is this some fantasy?",
+        "Is this the real life, or is this just fantasy?",
+    )
+    assert not passes("Can I only leave the car here?", "Can I leave the car here?")
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Will it rain tomorrow in Paris?", "Is it going to rain tomorrow in Paris?"),
+        ("Who will win the next football World Cup?", "Who is going to win the next World Cup?"),
+        ("Are prices going to rise next year?", "Will prices rise next year?"),
+        ("What will happen to the pound?", "What's going to happen to the pound?"),
+    ],
+)
+def test_qualifiers_be_going_to_is_the_future_as_will_is(a, b):
+    assert passes(a, b)
+    assert refusal(a, b) is None
+
+
+def test_qualifiers_a_perfect_infinitive_is_the_past():
+    # "to have walked" sets the time: "is the first to have walked" asks what "was" asks.
+    a = "Who was the first person to walk on the moon?"
+    b = "Who is the first person to have walked on the moon?"
+    assert passes(a, b)
+    assert refusal(a, b) is None
+    # "to have" before a noun is no perfect: the tense is read as written.
+    assert not passes("Was it required to have a visa?", "Is it required to have a visa?")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.semantic.guard import refusal
+from carpool.semantic.guard import READ_CHARS, refusal
 from carpool.semantic.rules import order, relations
 from carpool.semantic.verdict import Reason
 
@@ -88,3 +88,32 @@ def test_relations_names_its_own_reason():
     a, b = "What do I call my wife's brother?", "What do I call my brother's wife?"
     assert refusal(a, b) in (Reason.ORDER, Reason.RELATION)
     assert relations.RULE.reason == Reason.RELATION
+
+
+class _CountedWords(list[str]):
+    """The words of a text, counting each time one is read by its place."""
+
+    reads = 0
+
+    def __getitem__(self, i):  # type: ignore[override]
+        _CountedWords.reads += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("unit", ["Ex Of ", "Mom Of ", "Dad Of My ", "mother of the Queen "])
+def test_relations_read_each_word_a_few_times_however_long_the_text(monkeypatch, unit):
+    # "R of" before a run of capitalised words walked the whole run for each "R of" in it:
+    # quadratic, 100-270 ms on a side of READ_CHARS. Each word is read a bounded number of times.
+    pattern = relations._WORD
+
+    class Counting:
+        def findall(self, text):
+            return _CountedWords(pattern.findall(text))
+
+    monkeypatch.setattr(relations, "_WORD", Counting())
+    relations._read.cache_clear()
+    text = (unit * READ_CHARS)[: READ_CHARS - 1]
+    _CountedWords.reads = 0
+    relations.RULE.differs(text, text + "!")
+    words = len(pattern.findall(text))
+    assert _CountedWords.reads <= 8 * words, (_CountedWords.reads, words)

@@ -22,9 +22,12 @@ An embedding puts "a 2 bedroom flat" next to "a 3 bedroom flat"; the answers dif
   sets must be equal.
 - a unit after a number is read with its case too, where both sides write it with capitals:
   "5 MHz" / "5 mHz", "1 Gbps" / "1 GBps", "20 mSv" / "20 MSv" are mega against milli, bits
-  against bytes (they were served at 1.0: a retyping, the verifier never asked). A unit in
-  lower case ("5 mhz") or in a text written in capitals says nothing of its case: how a user
-  types, so it passes against any case.
+  against bytes (they were served at 1.0: a retyping, the verifier never asked). Only a unit
+  of measure whose case says something is read so: the prefix m / M (p / P) and b / B of bits
+  and bytes; another word after a number ("15 Pro" / "15 PRO") or a capital that says nothing
+  ("3 Ghz" / "3 GHz", "1 Kwh" / "1 kWh", "100 Mhz" / "100 MHz") passes. A unit in lower case
+  ("5 mhz") or in a text written in capitals says nothing of its case: how a user types, so
+  it passes against any case.
 """
 
 from __future__ import annotations
@@ -215,27 +218,47 @@ def _moved(x: Amounts, y: Amounts) -> bool:
     return x != y and Counter(v for v, _ in x.elements()) == Counter(v for v, _ in y.elements())
 
 
-#: A unit just after a number, as written: "5 MHz", "10meV".
+#: A word just after a number, as written: "5 MHz", "10meV".
 _CASED_UNIT = re.compile(r"(?<![^\W\d_])\d+(?:[.,]\d+)?\s?([^\W\d_]+)")
+#: A unit whose case can carry meaning: a prefix and a unit of measure, read in any case.
+_PREFIXED = re.compile(r"([kmgtpuµ]?)(hz|wh|w|v|ah|a|ohms?|sv|gy|ev|pa|j|l|g|bps|b)", re.I)
+
+
+def _meant(unit: str) -> tuple[str, str] | None:
+    """What the case of ``unit`` says: milli or mega (pico or peta) and bits or bytes; None
+    for a word that is no such unit ("15 Pro", "11 Home"). A capital on a unit of measure
+    ("Hz", "Wh") or on a prefix that has no other case ("Ghz", "Kwh": no milli-giga) says
+    nothing."""
+    found = _PREFIXED.fullmatch(unit)
+    if found is None:
+        return None
+    prefix, measure = found.groups()
+    if prefix not in ("m", "M", "p", "P"):
+        prefix = prefix.lower()
+    # "b" is bits, "B" bytes (and "Mbps" / "MBps"); any other unit's letters are one unit.
+    return prefix, measure if measure in ("b", "B", "bps", "Bps") else measure.lower()
 
 
 @functools.lru_cache(maxsize=4096)
-def _cased_units(text: str) -> Counter[str]:
-    """The units after a number that carry their case: not in lower case, not in a text
-    written in capitals (neither says which case was meant)."""
+def _cased_units(text: str) -> dict[str, set[tuple[str, str]]]:
+    """The units after a number whose case says something, by their letters in lower case:
+    not in lower case, not in a text written in capitals (neither says which case was
+    meant)."""
     text = norm(text)
     if not any(ch.islower() for ch in text):
-        return Counter()
-    return Counter(u for u in _CASED_UNIT.findall(text) if not u.islower())
+        return {}
+    units: dict[str, set[tuple[str, str]]] = {}
+    for unit in _CASED_UNIT.findall(text):
+        if not unit.islower() and (meant := _meant(unit)) is not None:
+            units.setdefault(unit.casefold(), set()).add(meant)
+    return units
 
 
 def _case_differs(a: str, b: str) -> bool:
-    """A unit after a number written in another case on each side, both with capitals."""
+    """A unit after a number written in another case on each side, both with capitals, that
+    says another prefix or bits against bytes."""
     ua, ub = _cased_units(a), _cased_units(b)
-    if ua == ub:
-        return False
-    folded_b = {u.casefold() for u in ub}
-    return any(u.casefold() in folded_b and u not in ub for u in ua)
+    return any(letters in ub and not meant <= ub[letters] for letters, meant in ua.items())
 
 
 def differs(a: str, b: str) -> bool:

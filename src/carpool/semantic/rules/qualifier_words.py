@@ -3,7 +3,11 @@
 A family is a list of ``"phrase phrase ...: class"`` lines (a phrase's words joined by ``_``),
 read longest phrase first; ``solo`` are the classes that change a question on one side alone;
 ``sets``: the classes are compared as sets (a tense said twice is one time frame);
-``companions``: classes read only beside another class of the family in the same edit. A
+``companions``: classes read only beside another class of the family in the same edit;
+``alike``: ``"class=class ..."``, a class compared as another against it, and as itself alone
+("each day" / "every day" is one question, "each" alone is not "all"'s restriction);
+``loose``: classes of ``alike`` read only against the class they are like ("just" is "only"
+against "only", and elsewhere often "simply": "Is this just fantasy?" / "...some fantasy?"). A
 phrase of class ``-`` is read so that its words are no other phrase, and counts for nothing
 ("of all time" is no "all", "the most interesting" no "most", "how can I" asks a way as "how
 should I" does: each measured refusing true rewordings of the development pairs).
@@ -11,7 +15,7 @@ should I" does: each measured refusing true rewordings of the development pairs)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +25,8 @@ class Family:
     solo: frozenset[str] = frozenset()
     sets: bool = False
     companions: frozenset[str] = frozenset()
+    alike: dict[str, str] = field(default_factory=dict, compare=False)
+    loose: frozenset[str] = frozenset()
 
 
 def _entries(table: str) -> list[str]:
@@ -35,7 +41,13 @@ def _entries(table: str) -> list[str]:
 
 
 def _family(
-    name: str, table: str, solo: str = "", sets: bool = False, companions: str = ""
+    name: str,
+    table: str,
+    solo: str = "",
+    sets: bool = False,
+    companions: str = "",
+    alike: str = "",
+    loose: str = "",
 ) -> Family:
     phrases = []
     for entry in _entries(table):
@@ -43,7 +55,13 @@ def _family(
         phrases += [(tuple(p.split("_")), label.strip()) for p in words.split()]
     phrases.sort(key=lambda p: -len(p[0]))  # (stable: a line's order kept among equals)
     return Family(
-        name, tuple(phrases), frozenset(solo.split()), sets, frozenset(companions.split())
+        name,
+        tuple(phrases),
+        frozenset(solo.split()),
+        sets,
+        frozenset(companions.split()),
+        dict(pair.split("=") for pair in alike.split()),
+        frozenset(loose.split()),
     )
 
 
@@ -63,12 +81,19 @@ QUANTIFIERS = _family(
     few rarely seldom: few
     none nobody never no_one: none
     only: only
+    just: just
     both: both
     either: either
     neither: neither
     """,
     # ("exactly" not alone: "What exactly is the 4th dimension?" asks what the plain one does.)
     solo="only all none atmost atleast",
+    # "every day" / "each day" / "per day", "only staying" / "just staying": one question. Alone,
+    # "each" does not say "all" of a group ("Is each employee" / "Is an employee"), and "just"
+    # is often "simply" ("Can I just leave?"): neither is solo, and "just" is read against "only"
+    # alone.
+    alike="each=all just=only",
+    loose="just",
 )
 #: Must, may, should or will ("will I have to" / "might I have to"); asked of a way ("how can I" / "how should I") it is one question.
 MODALITY = _family(

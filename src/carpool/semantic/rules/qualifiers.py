@@ -20,6 +20,15 @@ verifier, which reads the shared words, scored them 0.97-0.99. The rule reads ea
   / "Can I really") is left to the verifier: "Do you need..." / "Is a license needed..." are
   one question.
 
+Some classes are one against each other and not alone (a family's ``alike``): "every day" /
+"each day" / "per day", "only staying" / "just staying" are one question, but "each" or "just"
+added alone restricts nothing, and "just" against another class than "only" is often "simply"
+("Is this some fantasy?" / "Is this just fantasy?"). Two ways of saying a tense are read as the plain one first: "be
+going to" is "will" ("Is it going to rain" / "Will it rain"), and a perfect infinitive is the
+past ("Who is the first to have walked on the moon" / "Who was the first to walk..."). A settled
+fact asked in another tense otherwise stays refused: no word tells "What were the causes" /
+"What are the causes" from "Was Pluto a planet?" / "Is Pluto a planet?".
+
 A negation inside an edit that changes a condition is read with it ("provided I notify" / "if I
 don't notify"); a negation alone is the verifier's (the guard's negation bar). And "only" moved
 to another word, the rest the same words ("Are only mushrooms fungi?" / "Are mushrooms only
@@ -42,9 +51,61 @@ MOST = 3
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 
 
+#: Words after "going to" that make it a motion ("going to the shop"), not the future.
+_DETERMINERS = frozenset("a an the my your his her our their this that these those".split())
+_PRESENT_BE = {"is": "was", "are": "were", "am": "was"}
+#: Past participles that do not end in "-ed": "to have won", "to have been".
+_PARTICIPLES = frozenset(
+    """been done gone won made had seen run led held built sent spent lost found taught thought
+    brought bought fought caught written become come begun flown known grown shown drawn thrown
+    given taken eaten beaten broken chosen driven ridden risen spoken stolen sworn torn worn
+    fallen forgotten gotten hidden bitten left met paid said sold told stood understood felt kept
+    slept meant heard sung swum struck shot wrote""".split()
+)
+
+
+def _participle(word: str) -> bool:
+    # "-ed" of five letters or more, not "-eed": "walked", "invented"; not "red", "need", "speed".
+    return word in _PARTICIPLES or (
+        len(word) >= 5 and word.endswith("ed") and not word.endswith("eed")
+    )
+
+
+def _tenses(words: list[str]) -> list[str]:
+    """``words`` with two ways of saying a tense read as the plain one:
+
+    - the future "be going to" as "will" ("Is it going to rain" is "Will it rain", "it's going
+      to" is "it will"): the present "is" (up to two words before) is no present;
+    - a perfect infinitive as the past: "Who is the first to have walked on the moon" asks what
+      "Who was the first to walk" asks, so the nearest present "is" / "are" (up to six words
+      before) is read as "was" / "were" and the "have" is dropped. Only "to have" before a
+      participle: "Is it legal to have a dog" is the present.
+    """
+    out = list(words)
+    dropped: set[int] = set()
+    for i in range(len(out) - 2):
+        if out[i] == "going" and out[i + 1] == "to" and out[i + 2] not in _DETERMINERS:
+            for k in range(i - 1, max(-1, i - 3), -1):
+                if out[k] in _PRESENT_BE:
+                    out[k] = "will"
+                elif out[k].endswith(("'s", "'re", "'m")):
+                    out[k] = out[k].split("'")[0] + " will"
+                else:
+                    continue
+                dropped.update((i, i + 1))
+                break
+        elif out[i] == "to" and out[i + 1] == "have" and _participle(out[i + 2]):
+            for k in range(i - 1, max(-1, i - 7), -1):
+                if out[k] in _PRESENT_BE:
+                    out[k] = _PRESENT_BE[out[k]]
+                    dropped.add(i + 1)
+                    break
+    return " ".join(w for i, w in enumerate(out) if i not in dropped).split()
+
+
 @functools.lru_cache(maxsize=4096)
 def _words(text: str) -> tuple[str, ...]:
-    return tuple(_WORD.findall(norm(text).lower()))
+    return tuple(_tenses(_WORD.findall(norm(text).lower())))
 
 
 def _phrases(words: tuple[str, ...], family: Family) -> list[tuple[int, int, str]]:
@@ -61,6 +122,29 @@ def _phrases(words: tuple[str, ...], family: Family) -> list[tuple[int, int, str
     return found
 
 
+def _alike(labels: Counter[str], family: Family) -> Counter[str]:
+    """The classes as compared against the other side's: "each" as "all" (:attr:`Family.alike`)."""
+    folded: Counter[str] = Counter()
+    for label, n in labels.items():
+        folded[family.alike.get(label, label)] += n
+    return Counter(set(folded)) if family.sets else folded
+
+
+def _against(x: Counter[str], y: Counter[str], family: Family) -> Counter[str]:
+    """``x`` without its loose classes that ``y`` has not the like of ("just" against no
+    "only": :attr:`Family.loose`)."""
+    if not family.loose:
+        return x
+    other = set(_alike(y, family))
+    return Counter(
+        {
+            label: n
+            for label, n in x.items()
+            if label not in family.loose or family.alike[label] in other
+        }
+    )
+
+
 def _edited(found: list[tuple[int, int, str]], changed: set[int], sets: bool) -> Counter[str]:
     """The classes of the phrases that cover a changed word."""
     labels = Counter(
@@ -74,7 +158,8 @@ def _family_differs(
 ) -> bool:
     x = _edited(_phrases(a, family), ca, family.sets)
     y = _edited(_phrases(b, family), cb, family.sets)
-    if x == y or set(x) | set(y) <= family.companions:
+    x, y = _against(x, y, family), _against(y, x, family)
+    if _alike(x, family) == _alike(y, family) or set(x) | set(y) <= family.companions:
         return False
     if x and y:
         return True
