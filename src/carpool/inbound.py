@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -141,31 +142,9 @@ async def read_body(
 ) -> bytes | None:
     """The whole body (None: the client left), within ``limit`` bytes (``BodyTooLarge``) and
     ``deadlines.timeout`` seconds from now (``BodyTimeout``)."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    parts: list[bytes] = []
-    size = 0
-    task = deadlines.enter()
-    try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-    except asyncio.CancelledError:
-        if not deadlines.expired(task) or task.cancelling() > 1:
-            raise  # not (only) ours: a shutdown, say
-        task.uncancel()  # we did it: the deadline passed
-        raise BodyTimeout(deadlines.timeout) from None
-    finally:
-        deadlines.leave(task)
+    read = await _read(receive, headers, limit, deadlines, math.inf)
+    assert not isinstance(read, list)  # (no bound but the limit: it ended, or the client left)
+    return read
 
 
 async def read_upload(
@@ -179,16 +158,29 @@ async def read_upload(
     """A pass-through body (None: the client left first): whole when it ends within
     ``STREAMED_FROM`` bytes, else an ``Upload`` of what was read and the rest to come (see the
     module doc); ``ended`` and ``left`` are the ``Upload``'s."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    read = await _read(receive, headers, limit, deadlines, STREAMED_FROM)
+    if not isinstance(read, list):
+        return read
+    left_s = deadlines.timeout - (loop.time() - began)
+    size = sum(map(len, read))
+    return Upload(receive, read, size, limit, deadlines.timeout, left_s, ended, left)
+
+
+async def _read(
+    receive: Any, headers: Mapping[str, str], limit: int, deadlines: Deadlines, most: float
+) -> bytes | list[bytes] | None:
+    """The body, whole (bytes), or its pieces read once ``most`` bytes came before its end (a
+    list), or None (the client left), under ``read_body``'s two limits."""
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     parts: list[bytes] = []
     size = 0
     task = deadlines.enter()
-    loop = task.get_loop()
-    began = loop.time()
     try:
-        while size < STREAMED_FROM:
+        while size < most:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
@@ -199,6 +191,7 @@ async def read_upload(
             parts.append(chunk)
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
+        return parts
     except asyncio.CancelledError:
         if not deadlines.expired(task) or task.cancelling() > 1:
             raise  # not (only) ours: a shutdown, say
@@ -206,8 +199,6 @@ async def read_upload(
         raise BodyTimeout(deadlines.timeout) from None
     finally:
         deadlines.leave(task)
-    left_s = deadlines.timeout - (loop.time() - began)
-    return Upload(receive, parts, size, limit, deadlines.timeout, left_s, ended, left)
 
 
 class ClientLeft(Exception):
