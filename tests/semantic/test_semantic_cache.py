@@ -878,7 +878,8 @@ async def test_invalidation_by_tag_reaches_the_semantic_cache(fake, gateway_with
         assert again.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
-@pytest.mark.parametrize(
+# Each selector, and the headers that put an answer under it.
+SELECTORS = pytest.mark.parametrize(
     "selector, headers",
     [
         ({"tag": "router"}, {"x-carpool-tags": "router"}),
@@ -888,6 +889,9 @@ async def test_invalidation_by_tag_reaches_the_semantic_cache(fake, gateway_with
     ],
     ids=["tag", "namespace", "all", "own-prefix"],
 )
+
+
+@SELECTORS
 async def test_every_invalidation_selector_stops_semantic_hits(
     fake, gateway_with, selector, headers
 ):
@@ -1270,16 +1274,7 @@ async def test_a_prefix_invalidation_on_one_instance_stops_the_others_older_entr
         assert on_b.json() != old.json()
 
 
-@pytest.mark.parametrize(
-    "selector, headers",
-    [
-        ({"tag": "router"}, {"x-carpool-tags": "router"}),
-        ({"namespace": "support"}, {"x-carpool-namespace": "support"}),
-        ({"all": True}, {}),
-        ({"prefix": "How do I"}, {}),  # the entry's own prompt starts with it
-    ],
-    ids=["tag", "namespace", "all", "own-prefix"],
-)
+@SELECTORS
 async def test_an_invalidation_on_an_instance_without_the_semantic_cache_drops_the_others_entries(
     fake, shared_redis, selector, headers
 ):
