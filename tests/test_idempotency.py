@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 
 import orjson
 import pytest
 import redis.asyncio as aredis
 
-from carpool.clock import SYSTEM_CLOCK, ManualClock
+from carpool.clock import ManualClock
 from carpool.config import Config
 from carpool.errors import CarpoolError
 from carpool.idempotency import (
@@ -30,13 +28,13 @@ from carpool.idempotency import (
     StoredResponse,
     parse_key,
 )
-from carpool.lru import allocated
 from carpool.redis.idempotency import RedisIdempotencyRecords
 from carpool.store.base import StoreUnavailable
 from carpool.store.shared import SharedStore
 from carpool.wiring import build_idempotency, build_store
 from conftest import redis_settings
 from fakes.redis_server import RedisServer, assert_each_fails_fast
+from fakes.sizing import deep_size
 from fakes.waiting import eventually
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
@@ -694,23 +692,6 @@ async def test_memory_records_sweep_what_expired() -> None:
     clock.advance(0.05)  # the leases run out
     await begin_new(records, "z")  # sweeps
     assert len(records) == 1 and records.bytes == 0
-
-
-def deep_size(root: object) -> int:
-    """Bytes reachable from ``root`` (``sys.getsizeof`` of each object once, rounded as the
-    allocator hands them out), not crossing into types, modules, functions or the clock."""
-    seen = {id(SYSTEM_CLOCK)}
-    todo, total = [root], 0
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (bool, type, ModuleType)):
-            continue
-        if isinstance(obj, (FunctionType, BuiltinFunctionType, MethodType)):
-            continue
-        seen.add(id(obj))
-        total += allocated(sys.getsizeof(obj))
-        todo.extend(gc.get_referents(obj))
-    return total
 
 
 @pytest.mark.parametrize("settled", ["finished", "released"])
