@@ -4,6 +4,7 @@ run against every backend through one fixture (memory, and a real Valkey per tes
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ from carpool.store.shared import SharedStore
 from carpool.wiring import build_idempotency, build_store
 from conftest import redis_settings
 from fakes.redis_server import RedisServer, assert_each_fails_fast
+from fakes.sizing import deep_size
 from fakes.waiting import eventually
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
@@ -545,15 +547,23 @@ async def test_two_instances_see_each_other(
 # --------------------------------------------------------------------------- memory only
 
 
+async def counted(response: StoredResponse, key: str = "k") -> int:
+    """What a finished record of ``response`` under a short ``key`` counts in ``bytes``."""
+    records = MemoryIdempotencyRecords(60)
+    await records.finish(key, await begin_new(records, key), response)
+    return records.bytes
+
+
 async def test_memory_records_are_bounded_in_count_and_bytes(caplog) -> None:
-    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
+    one = await counted(OK)
+    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * one)
     for key in "abcde":
         await records.finish(key, await begin_new(records, key), OK)
-    assert len(records) <= 3 and records.bytes <= 2 * OK.size
+    assert len(records) <= 3 and records.bytes <= 2 * one
     assert (await records.begin("e", FP)).state == "done"  # the newest stay
     assert (await records.begin("a", FP)).state == "new"  # the oldest went
     assert records.evictions >= 2
-    big = StoredResponse(200, [], b"x" * (2 * OK.size + 1))
+    big = StoredResponse(200, [], b"x" * (2 * one + 1))
     token = await begin_new(records, "big")
     assert await records.finish("big", token, big) is False  # too large: not kept...
     assert (await records.begin("e", FP)).state == "done"  # ...and evicts nothing
@@ -568,12 +578,13 @@ async def test_one_tenants_flood_of_keys_evicts_its_own_records_not_another_tena
     oldest finished record of the tenant holding the largest share goes: before, the oldest
     overall went, so a tenant sending many keys evicted a quiet tenant's record within its
     retention, and that tenant's retry ran its generation again."""
-    records = MemoryIdempotencyRecords(60, max_records=4, max_bytes=4 * OK.size)
+    one = await counted(OK)
+    records = MemoryIdempotencyRecords(60, max_records=4, max_bytes=4 * one)
     await records.finish("quiet\nk1", await begin_new(records, "quiet\nk1"), OK)
     for n in range(20):
         key = f"loud\n{n}"
         await records.finish(key, await begin_new(records, key), OK)
-    assert len(records) <= 4 and records.bytes <= 4 * OK.size
+    assert len(records) <= 4 and records.bytes <= 4 * one
     assert (await records.begin("quiet\nk1", FP)).state == "done"  # still replayed
     assert (await records.begin("loud\n19", FP)).state == "done"  # the flood's newest stay
     assert (await records.begin("loud\n0", FP)).state == "new"  # its oldest went
@@ -582,11 +593,11 @@ async def test_one_tenants_flood_of_keys_evicts_its_own_records_not_another_tena
     assert (await records.begin("quiet\nk1", FP)).state == "done"
     assert (await records.begin("quiet\nk2", FP)).state == "done"
     # By bytes too: a tenant of a few large records pays for the next large one.
-    big = StoredResponse(200, [], b"x" * (2 * OK.size))
+    big = StoredResponse(200, [], b"x" * (2 * one))
     for n in range(3):
         key = f"heavy\n{n}"
         await records.finish(key, await begin_new(records, key), big)
-    assert records.bytes <= 4 * OK.size
+    assert records.bytes <= 4 * one
     assert (await records.begin("quiet\nk2", FP)).state == "done"
     assert (await records.begin("heavy\n2", FP)).state == "done"
 
@@ -628,7 +639,8 @@ async def test_a_running_record_is_never_evicted_by_the_bounds() -> None:
     """The bounds evict finished records only: a record being processed stayed in the same
     bounded list, kept its place there and was the first to go (its retry ran the generation
     again while the first still ran, and the first's finish was refused)."""
-    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * OK.size)
+    one = await counted(OK)
+    records = MemoryIdempotencyRecords(60, max_records=3, max_bytes=2 * one)
     token = await begin_new(records, "running")  # (this test's task runs on: it is the owner)
     for key in "abcde":
         await records.finish(key, await begin_new(records, key), OK)
@@ -680,6 +692,40 @@ async def test_memory_records_sweep_what_expired() -> None:
     clock.advance(0.05)  # the leases run out
     await begin_new(records, "z")  # sweeps
     assert len(records) == 1 and records.bytes == 0
+
+
+@pytest.mark.parametrize("settled", ["finished", "released"])
+async def test_memory_records_hold_no_more_than_max_bytes(settled: str) -> None:
+    """``max_bytes`` bounds what the records hold, not only their responses: filled past it
+    with small answers under long keys (255 characters, and an index: a list's items), the
+    records took 2.6 to 3.9 times the budget (their keys, fingerprints, tokens, objects and
+    places were not counted), and RELEASED ones (no response) counted nothing at all."""
+    max_bytes = 400_000
+    records = MemoryIdempotencyRecords(60, max_records=1_000_000, max_bytes=max_bytes)
+    empty = deep_size(records)
+    for n in range(2_000):
+        key = f"tenant\n{'K' * 255}\n{n}"
+        token = await begin_new(records, key, f"{n:032x}")
+        if settled == "finished":  # (objects of its own, as an answer read from upstream)
+            small = StoredResponse(
+                200,
+                [
+                    (bytes(bytearray(b"content-type")), bytes(bytearray(b"application/json"))),
+                    (bytes(bytearray(b"x-request-id")), f"r-{n:016}".encode()),
+                ],
+                f'{{"n":{n}}}'.encode(),
+                created=time.time(),
+            )
+            assert await records.finish(key, token, small) is True
+        else:
+            assert await records.release(key, token) is True
+    gc.collect()
+    held_now = deep_size(records) - empty
+    assert records.bytes <= max_bytes
+    assert held_now <= 1.2 * max_bytes, (held_now, records.bytes, len(records))
+    # What is counted is what is held (the measured sizes ``_size`` names), not a guess in
+    # excess that would keep fewer records than the budget holds.
+    assert records.bytes <= 1.1 * held_now, (held_now, records.bytes)
 
 
 # --------------------------------------------------------------------------- Redis only

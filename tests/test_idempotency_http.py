@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from carpool.server import create_app
 from carpool.wiring import build_gateway
 from conftest import redis_settings, run_gateway
 from fakes.serving import ServedApp, serve_app_with_server
+from fakes.sizing import deep_size
 from fakes.waiting import eventually
 
 KEY = {"Idempotency-Key": '"order-42"'}
@@ -705,3 +707,25 @@ async def test_once_the_waiting_retry_leaves_too_the_first_run_is_cancelled(fake
         again = await client.post(CHAT, json=body, headers=KEY)  # its record was dropped
     assert again.status_code == 200 and "idempotent-replayed" not in again.headers
     assert fake.count() == 2
+
+
+async def test_keyed_embeddings_lists_hold_no_more_than_idempotency_max_bytes(fake, gateway_with):
+    """A keyed list keeps a record per item, under the list's key and the item's index: with
+    long keys and small answers the records held 2.65 times ``idempotency.max_bytes`` (only
+    the answers' bytes were counted, not the keys and records around them)."""
+    max_bytes = 600_000
+    async with gateway_with(
+        idempotency={"max_bytes": max_bytes, "max_records": 1_000_000}, coalesce={"window_ms": 0}
+    ) as gw:
+        records = gw.gateway.layers.idempotency
+        gc.collect()
+        empty = deep_size(records)
+        for n in range(3):
+            body = {"model": "e", "input": [f"list {n} item {i}" for i in range(MAX_KEYED_ITEMS)]}
+            key = {"Idempotency-Key": f"k{n}-" + "K" * 240}
+            assert (await gw.client.post("/v1/embeddings", json=body, headers=key)).is_success
+        gc.collect()
+        held = deep_size(records) - empty
+        assert records.evictions > 0  # (filled past its budget)
+        assert records.bytes <= max_bytes
+        assert held <= 1.2 * max_bytes, (held, records.bytes, len(records))

@@ -124,7 +124,10 @@ class IdempotencyConfig(Section):
     max_bytes: int = Field(
         256 * 1024 * 1024,
         gt=0,
-        description="Bytes of in-process stored responses kept; beyond it, as `max_records`.",
+        description="Bytes the in-process idempotency records hold: each finished or released "
+        "record's stored response and its key, fingerprint and bookkeeping (0.5-0.7 KB "
+        "besides its key and answer); beyond it, as `max_records`. Records being processed are "
+        "not counted (as many as requests in flight).",
     )
     lease: float = Field(
         6.0,

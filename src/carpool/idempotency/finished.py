@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from ..clock import SYSTEM_CLOCK, Clock
+from ..lru import held
 
 V = TypeVar("V")
 
@@ -249,6 +250,11 @@ class Finished(Generic[V]):
             if tenant is not None and heap[0] == self._rank(name, tenant):
                 return name
             heapq.heappop(heap)
+
+
+#: What a record's node takes (a ``_Node``; its place in the map is ``lru.SLOT_BYTES``), for a
+#: ``size`` that counts what a record holds.
+NODE_BYTES = held(_Node("", None))
 
 
 def _tenant(key: str) -> str:

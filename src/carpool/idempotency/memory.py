@@ -2,13 +2,21 @@
 
 One process only: a retry that reaches another instance is not protected (with ``redis``, the
 shared records are, and these are their fallback: ``fallback``). Bounded: expired records are
-swept lazily and *finished* ones (RELEASED ones too: no response, no bytes) are evicted beyond
+swept lazily and *finished* ones (RELEASED ones too) are evicted beyond
 ``max_records``/``max_bytes``, the oldest first, but a tenant holding less than its share keeps its own while another holds more, so
 that one tenant's flood of keys cannot evict another's records (``finished``; counted in
 ``evictions``, logged): a record being processed is never evicted
 (its retry would run the generation again while it runs), and those are as many as the
 requests in flight. Time is the ``clock``'s monotonic reading (``carpool.clock``: tests move
 it).
+
+``bytes`` (bounded by ``max_bytes``) counts what the finished and RELEASED records hold in this
+process, as ``carpool.lru``'s budgets do (``held``, ``SLOT_BYTES``): each record's key (its
+tenant, a key of up to 255 characters, a list item's index), fingerprint and token, its objects
+and its place and node in ``finished``, and its stored response (body, headers: each pair's
+tuple and bytes). Not counted: the records being processed (as many as the requests in flight,
+never evicted), a tenant's own bookkeeping (~100 bytes a tenant holding records:
+``finished``), an ``asyncio.Event`` a waiter made while the record ran.
 
 A PROCESSING record's lease does not run out while the task that began it runs: in one process
 an owner cannot die without its task ending, and a stream may outlive any fixed lease (its
@@ -27,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
-from .finished import Finished
+from ..lru import SLOT_BYTES, held
+from .finished import NODE_BYTES, Finished
 from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token
 
 log = logging.getLogger("carpool.idempotency")
@@ -55,8 +64,8 @@ class MemoryIdempotencyRecords:
     """The records in this process. ``retention``/``processing_ttl`` in seconds.
 
     Bounded: expired records are dropped when met and swept every ``sweep_interval`` seconds;
-    beyond ``max_records`` finished records or ``max_bytes`` of stored responses finished ones
-    are evicted, oldest first but fairly between tenants (``finished``; an evicted key is free
+    beyond ``max_records`` finished records or ``max_bytes`` of what they hold (``_size``)
+    finished ones are evicted, oldest first but fairly between tenants (``finished``; an evicted key is free
     again). Records being processed are kept
     apart (``_running``), never evicted. A response larger than ``max_bytes`` is not kept.
     """
@@ -80,7 +89,7 @@ class MemoryIdempotencyRecords:
         self.sweep_interval = sweep_interval
         self._clock = clock
         # Each tenant's oldest first by finish (a look does not refresh: ``peek``); a record's
-        # size is its stored response's.
+        # size is what it holds here (``_size``).
         self._records: Finished[_Record] = Finished(
             max_records=max_records,
             max_bytes=max_bytes,
@@ -148,9 +157,10 @@ class MemoryIdempotencyRecords:
         if not kept:
             # Said, or an operator would never learn why a retry ran again.
             log.warning(
-                "a response of %d bytes is larger than idempotency.max_bytes (%d): not kept, "
-                "a retry with its key runs again",
+                "a response of %d bytes (its record: %d) is larger than idempotency.max_bytes "
+                "(%d): not kept, a retry with its key runs again",
                 len(response.body),
+                _size(key, record),
                 self._records.max_bytes,
             )
         return kept
@@ -165,7 +175,7 @@ class MemoryIdempotencyRecords:
         record = self._owned(key, token)
         if record is None:
             return False
-        del self._running[key]  # among the finished (no response: no bytes), as the newest
+        del self._running[key]  # among the finished (its key and bookkeeping), as the newest
         record.released, record.owner = True, None
         record.expires = self._clock.monotonic() + self.retention
         record.wake()
@@ -264,7 +274,26 @@ class MemoryIdempotencyRecords:
 
 
 def _size(key: str, record: _Record) -> int:
-    return record.response.size if record.response is not None else 0
+    """What a finished (or RELEASED) record holds in this process, so that ``max_bytes`` bounds
+    the memory of the records, not only their answers' bytes (their keys run to 255 characters
+    and more, and a list's items each have one: a small answer's record is mostly the rest):
+    its place in the map, its node, its key, fingerprint and token, the record and its
+    ``expires``, and its stored response with its headers (each pair a tuple of two bytes)."""
+    counted = _RECORD_BYTES + held(key, record.fingerprint, record.token)
+    response = record.response
+    if response is not None:
+        counted += _RESPONSE_BYTES + held(response.body, response.headers, response.created)
+        for pair in response.headers:
+            counted += held(pair, *pair)
+    return counted
+
+
+# What every finished record holds besides its strings and response (``_size``), measured once
+# (tests/test_idempotency.py measures them again): its place in the map of ``Finished`` and its
+# node there, the ``_Record`` and its ``expires`` (a float of its own).
+_RECORD_BYTES = SLOT_BYTES + NODE_BYTES + held(_Record("", "", 0.0), 0.5)
+# A stored response's object (its body, headers list and pairs are counted as they are).
+_RESPONSE_BYTES = held(StoredResponse(200, [], b""))
 
 
 def _expires(record: _Record) -> float:

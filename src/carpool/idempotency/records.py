@@ -75,10 +75,6 @@ class StoredResponse:
     streamed: bool = False
     created: float | None = None
 
-    @property
-    def size(self) -> int:
-        return len(self.body) + sum(len(n) + len(v) for n, v in self.headers)
-
 
 @dataclass(slots=True)
 class Begin:
