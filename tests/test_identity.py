@@ -21,6 +21,14 @@ def test_the_tenant_is_every_credential_presented_by_name_and_value():
     assert "Bearer k" not in base
 
 
+def test_an_empty_credential_header_is_a_credential_presented():
+    # The upstream receives it and may refuse or answer otherwise: it is part of the tenant.
+    base = tenant_of({"authorization": "Bearer k"}, NAMES)
+    assert tenant_of({"authorization": "Bearer k", "openai-organization": ""}, NAMES) != base
+    assert tenant_of({"authorization": "Bearer k", "api-key": ""}, NAMES) != base
+    assert tenant_of({"authorization": ""}, NAMES) != ANONYMOUS_TENANT
+
+
 def test_accepted_credentials_are_per_grant_refused_at_once_and_forgotten_after_ttl():
     clock = ManualClock(monotonic=1000.0)
     accepted = AcceptedCredentials(ttl=60, max_entries=3, clock=clock)

@@ -96,6 +96,17 @@ async def test_a_tenant_header_other_than_authorization_scopes_just_as_well(tagg
         assert again.headers["x-carpool"] == "hit"
 
 
+async def test_an_empty_credential_header_is_another_tenant(tagged, gateway_with):
+    # The upstream gets the empty header too (and may refuse it): such a request never reads
+    # what the same key without it was answered.
+    async with gateway_with() as gw:
+        assert (await gw.chat(PROMPTS[0], headers=bearer(0))).headers["x-carpool"] == "miss"
+        for empty in ("OpenAI-Organization", "api-key", "x-api-key"):
+            again = await gw.chat(PROMPTS[0], headers={**bearer(0), empty: ""})
+            assert again.headers["x-carpool"] == "miss", empty
+        assert tagged.count() == 4
+
+
 async def test_a_neutral_header_never_lets_one_tenant_read_anothers_answer(tagged, gateway_with):
     # Neutral headers only do not split the cache: the tenant is the credential headers.
     neutral = {"neutral_headers": ["x-edge-request"]}

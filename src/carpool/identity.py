@@ -140,7 +140,8 @@ def pairs_digest(pairs: Iterable[tuple[str, str]], person: bytes, size: int) -> 
 
 def tenant_of(headers: Mapping[str, str], names: Iterable[str]) -> str:
     """A stable, non-reversible id of the credentials in ``headers`` (lower-case names)."""
-    present = [(name, headers[name]) for name in names if headers.get(name)]
+    # Present with an empty value is presented: the upstream receives it and may refuse it.
+    present = [(name, headers[name]) for name in names if name in headers]
     if not present:
         return ANONYMOUS_TENANT
     return pairs_digest(present, b"carpool-tenant", 8).hexdigest()
