@@ -8,9 +8,11 @@ a layer whose config is off is ``None``; optional layers import their dependenci
 peers) is used as it is, instead of the one the config would build. ``embedder: upstream``
 with no credentials of the gateway's for its /v1/embeddings (``semantic.embedder_api_key``, a
 held key or a URL's user) is warned about as it is built: an upstream that wants a key refuses
-every embedding; so is a judge sent through the replicas with none (``semantic.judge.api_key``). Its texts are merged into one list call only where the list check of the
-gateway's own /v1/embeddings batching (``batcher.lists``, ``batching.embeddings``) says lists
-are answered item by item, for its key and model (``semantic.embed.upstream``).
+every embedding; so is a judge sent through the replicas with none
+(``semantic.judge.api_key``). The embedder's texts are merged into one list call only where the
+list check of the gateway's own /v1/embeddings batching (``batcher.lists``,
+``batching.embeddings``) says lists are answered item by item, for its key and model
+(``semantic.embed.upstream``).
 """
 
 from __future__ import annotations

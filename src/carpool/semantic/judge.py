@@ -14,7 +14,8 @@ Contract:
   own, stays inside its string). ``ask`` returns the judge's reply text (:func:`asking`: a reply
   body over ``MAX_REPLY_BYTES`` is no reply). The verdict is yes only when the reply's first
   word is "yes" (any case, punctuation ignored); any other reply, an error or no reply within
-  ``timeout`` is no, so a failing judge never serves. Verdicts are remembered per pair, either order (an LRU of
+  ``timeout`` is no, so a failing judge never serves. Verdicts are remembered per pair, either
+  order (an LRU of
   ``cache_entries``, keyed on a 16-byte BLAKE2b digest of the question and both texts: never
   the texts, which may be whole answers, outside every byte budget). A question asked now is
   asked once: those who ask it meanwhile await that answer (``joined``); it runs in a task of
