@@ -18,7 +18,7 @@ from carpool.bench.runner import BenchOptions, run_bench
 from carpool.bench.upstream import Options, upstream
 from carpool.cli import main
 from carpool.config import Config
-from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER
+from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER, Question, messages
 
 pytest.importorskip("onnxruntime")
 
@@ -80,13 +80,14 @@ def test_the_meaning_upstream_answers_every_wording_alike_and_judges_by_the_labe
         status, headers, _ = fetch("POST", url, chat("What is carpool?"))
         assert status == 200 and headers["x-carpool-simulated"] == "true"
 
-        def judged(question_: str) -> str:
-            return answer(chat(question_, model=JUDGE_MODEL))
+        def judged(question_: Question, a: str, b: str) -> str:
+            body = chat("", model=JUDGE_MODEL) | {"messages": messages(question_, a, b)}
+            return answer(body)
 
-        assert judged(SAME_ANSWER.format(a=canonical, b=f"how to {core}")) == "yes"
-        assert judged(SAME_ANSWER.format(a=canonical, b=near_canonical)) == "no"
-        assert judged(ANSWERS_AGREE.format(a=answer_for(core), b=answer_for(core))) == "yes"
-        assert judged(ANSWERS_AGREE.format(a=answer_for(core), b=answer_for(near_core))) == "no"
+        assert judged(SAME_ANSWER, canonical, f"how to {core}") == "yes"
+        assert judged(SAME_ANSWER, canonical, near_canonical) == "no"
+        assert judged(ANSWERS_AGREE, answer_for(core), answer_for(core)) == "yes"
+        assert judged(ANSWERS_AGREE, answer_for(core), answer_for(near_core)) == "no"
         assert up.count()["chat"] == 9
 
 

@@ -8,9 +8,11 @@ a layer whose config is off is ``None``; optional layers import their dependenci
 peers) is used as it is, instead of the one the config would build. ``embedder: upstream``
 with no credentials of the gateway's for its /v1/embeddings (``semantic.embedder_api_key``, a
 held key or a URL's user) is warned about as it is built: an upstream that wants a key refuses
-every embedding. Its texts are merged into one list call only where the list check of the
-gateway's own /v1/embeddings batching (``batcher.lists``, ``batching.embeddings``) says lists
-are answered item by item, for its key and model (``semantic.embed.upstream``).
+every embedding; so is a judge sent through the replicas with none
+(``semantic.judge.api_key``). The embedder's texts are merged into one list call only where the
+list check of the gateway's own /v1/embeddings batching (``batcher.lists``,
+``batching.embeddings``) says lists are answered item by item, for its key and model
+(``semantic.embed.upstream``).
 """
 
 from __future__ import annotations
@@ -401,6 +403,20 @@ def build_judge(
     from .semantic.judge import Judge, asking
 
     send, closing = via_replicas, None
+    # Through the replicas, the judge's calls carry judge.api_key, or the key the gateway holds
+    # (which replaces it there): never a client's. (The simulated engine wants no key.)
+    if (
+        settings.url is None
+        and settings.api_key is None
+        and config.upstreams
+        and not config.holds_upstream_credentials()
+    ):
+        log.warning(
+            "semantic.judge: its calls through the upstreams carry no credentials "
+            "(semantic.judge.api_key and upstream.api_key unset, no user in an upstream URL): "
+            "right for a keyless upstream; one that wants a key refuses every judge call and "
+            "the judge never serves (set semantic.judge.api_key)"
+        )
     if settings.url is not None:
         from .upstream.http import HttpUpstream
 

@@ -6,22 +6,21 @@ questions yes or no from labels, counting its calls.
 - "do these answers agree?" (``ANSWERS_AGREE``): yes when the two answers are the same text, or
   the pair is in ``agree``.
 - ``fail_status`` answers that status instead; ``hang`` holds every call until released;
-  ``reply`` overrides the text answered (the yes/no protocol's tests).
+  ``reply`` overrides the text answered (the yes/no protocol's tests); ``padding`` bytes of
+  whitespace follow the reply's JSON (a reply body of any size).
+- A conversation's request (an object of ``earlier_turns`` and ``last_message``) is read as
+  its two texts joined by a newline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from carpool.semantic.judge import ANSWERS_AGREE, SAME_ANSWER
-
-_SAME = re.compile(r"Request A:\n(.*)\n\nRequest B:\n(.*)\Z", re.S)
-_AGREE = re.compile(r"Answer A:\n(.*)\n\nAnswer B:\n(.*)\Z", re.S)
+from carpool.semantic.judge import SAME_ANSWER, Text, question_of
 
 
 class FakeJudge:
@@ -34,6 +33,7 @@ class FakeJudge:
         self.fail_status: int | None = None
         self.hang: asyncio.Event | None = None
         self.reply: str | None = None
+        self.padding = 0
 
     def says_same(self, a: str, b: str) -> None:
         self.same.add(frozenset((a, b)))
@@ -41,18 +41,15 @@ class FakeJudge:
     def calls(self, kind: str | None = None) -> int:
         return sum(1 for q in self.questions if kind is None or q[0] == kind)
 
-    def _verdict(self, question: str) -> tuple[str, bool]:
-        if question.startswith(SAME_ANSWER.split("{", 1)[0]):
-            found = _SAME.search(question)
-            assert found is not None, question
-            a, b = found.groups()
+    def _verdict(self, body: dict[str, Any]) -> tuple[str, bool]:
+        asked = question_of(body)
+        assert asked is not None, body
+        question, *texts = asked
+        a, b = (_read(text) for text in texts)
+        if question is SAME_ANSWER:
             self.questions.append(("same", a, b))
             decided = self.decide is not None and self.decide(a, b)
             return "same", decided or frozenset((a, b)) in self.same
-        assert question.startswith(ANSWERS_AGREE.split("{", 1)[0]), question
-        found = _AGREE.search(question)
-        assert found is not None, question
-        a, b = found.groups()
         self.questions.append(("agree", a, b))
         return "agree", a == b or frozenset((a, b)) in self.agree
 
@@ -66,7 +63,7 @@ class FakeJudge:
                 break
         body = orjson.loads(raw)
         self.bodies.append(body)
-        _, yes = self._verdict(body["messages"][0]["content"])
+        _, yes = self._verdict(body)
         if self.hang is not None:
             await self.hang.wait()
         if self.fail_status is not None:
@@ -93,4 +90,9 @@ class FakeJudge:
                 "headers": [(b"content-type", b"application/json")],
             }
         )
-        await send({"type": "http.response.body", "body": orjson.dumps(payload)})
+        reply = orjson.dumps(payload) + b" " * self.padding
+        await send({"type": "http.response.body", "body": reply})
+
+
+def _read(text: Text) -> str:
+    return text if isinstance(text, str) else f"{text['earlier_turns']}\n{text['last_message']}"

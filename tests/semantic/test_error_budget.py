@@ -16,6 +16,7 @@ pytest.importorskip("usearch")
 from carpool.canonical import requester  # noqa: E402
 from carpool.identity import ANONYMOUS_TENANT  # noqa: E402
 from carpool.semantic.audit import MIN_AUDITS, Budget  # noqa: E402
+from carpool.semantic.judge import MAX_REPLY_BYTES  # noqa: E402
 from fakes.judge import FakeJudge  # noqa: E402
 from fakes.serving import serve_app  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
@@ -157,6 +158,61 @@ async def test_identical_concurrent_paraphrases_ask_the_judge_once(fake, gateway
         assert fake_judge.calls("same") == 1 and asked.calls == 1
         stats = (await admin(gw, "GET", "/stats")).json()
         assert stats["judge"]["joined"] == 39 and stats["judge"]["busy"] == 0
+
+
+async def test_a_hung_judge_costs_a_lookup_one_deadline_not_one_per_batch(
+    fake, gateway_with, judge
+):
+    # The nearest candidate was asked about, then the others as a second batch, each with its
+    # own timeout_ms: a hung judge held a lookup twice as long. The lookup's judging now ends
+    # at one deadline: the second batch, past it, is never asked.
+    fake_judge, url = judge
+    config = semantic(url, threshold=0.5, judge={"band": [0.0, 1.0], "timeout_ms": 100})
+    async with gateway_with(**config) as gw:
+        asked = gw.gateway.layers.judge
+        for n, text in enumerate([ROUTER, *PARAPHRASES[:3]], start=1):  # the judge says no
+            assert outcome(await ask(gw, text)) == "miss"
+            await eventually(lambda n=n: gw.gateway.semantic.entries == n, what="the entry")
+        before = asked.calls
+        fake_judge.hang = asyncio.Event()
+        assert outcome(await ask(gw, PARAPHRASES[3])) == "miss"
+        assert asked.calls == before + 1  # the nearest alone: the others not asked past it
+        fake_judge.hang.set()
+
+
+async def test_a_judge_reply_past_the_cap_is_a_miss_and_a_failure(fake, gateway_with, judge):
+    # A 30 MB reply starting "yes" was read whole and served.
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    fake_judge.padding = MAX_REPLY_BYTES
+    async with gateway_with(**semantic(url, judge={"band": [0.0, 1.0]})) as gw:
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "miss"
+        assert fake_judge.calls("same") == 1
+        assert gw.gateway.layers.judge.failures == 1
+        fake_judge.padding = 0
+        assert outcome(await ask(gw, PARAPHRASES[1])) == "semantic-hit"  # (the same judge)
+
+
+async def test_a_judge_through_keyless_upstreams_is_warned_about_at_start(
+    fake, gateway_with, caplog
+):
+    # Through the replicas the judge's calls carry judge.api_key or the gateway's held key,
+    # never a client's: with neither, an upstream that wants a key refuses every judge call.
+    said = "semantic.judge: its calls through the upstreams carry no credentials"
+    async with gateway_with(semantic={"enabled": True, "judge": {"model": "judge-model"}}):
+        pass
+    assert [r for r in caplog.records if r.levelname == "WARNING" and said in r.getMessage()]
+    caplog.clear()
+    for judge_settings, upstream in (
+        ({"api_key": "sk-judge"}, {}),
+        ({}, {"upstream": {"api_key": "sk-held"}}),
+        ({"url": "http://127.0.0.1:9/v1"}, {}),
+    ):
+        judged = {"enabled": True, "judge": {"model": "judge-model", **judge_settings}}
+        async with gateway_with(semantic=judged, **upstream):
+            pass
+    assert not [r for r in caplog.records if said in r.getMessage()]
 
 
 # --------------------------------------------------------------------------- audits

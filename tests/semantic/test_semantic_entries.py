@@ -18,7 +18,7 @@ from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
 from carpool.config import SemanticConfig
 from carpool.fingerprint import SemanticView
 from carpool.semantic.cache import COMPACT_MAX_LIVE, SCOPE_BYTES, SemanticCache
-from carpool.semantic.guard import Side
+from carpool.semantic.guard import Lookup, Side
 from carpool.semantic.verdict import Verdict
 from carpool.store.base import Selector, synthesized_held
 from fakes.waiting import eventually
@@ -39,7 +39,11 @@ class Embedder:
 
 class PassEverything:
     async def judge(
-        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+        self,
+        new: Side,
+        candidates: Sequence[Side],
+        similarities: Sequence[float] | None = None,
+        lookup: Lookup | None = None,
     ) -> list[Verdict]:
         return [Verdict(True) for _ in candidates]
 
@@ -114,10 +118,10 @@ class HeldGuard(PassEverything):
     def __init__(self) -> None:
         self.reading, self.release = asyncio.Event(), asyncio.Event()
 
-    async def judge(self, new, candidates, similarities=None):
+    async def judge(self, new, candidates, similarities=None, lookup=None):
         self.reading.set()
         await self.release.wait()
-        return await super().judge(new, candidates, similarities)
+        return await super().judge(new, candidates, similarities, lookup)
 
 
 async def test_an_entry_invalidated_while_the_guard_reads_it_is_not_served():

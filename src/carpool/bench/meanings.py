@@ -39,14 +39,13 @@ import asyncio
 import bisect
 import math
 import random
-import re
 from typing import Any
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import Config
-from ..semantic.judge import ANSWERS_AGREE, SAME_ANSWER
+from ..semantic.judge import SAME_ANSWER, question_of
 from .catalog import ACTIONS, CONTEXTS, OBJECTS, WORDINGS, core_of, question
 from .upstream import read_body, replaying
 from .workloads import CHAT, MODEL, BenchRequest, Workload, WorkloadError, tenant_header_value
@@ -55,8 +54,6 @@ WORKLOAD = "audit"
 JUDGE_MODEL = "carpool-bench-judge"
 PER_MEANING = 3
 TENANT = "tenant-1"
-_SAME = re.compile(r"Request A:\n(.*)\n\nRequest B:\n(.*)\Z", re.S)
-_AGREE = re.compile(r"Answer A:\n(.*)\n\nAnswer B:\n(.*)\Z", re.S)
 
 
 def answer_for(core: str) -> str:
@@ -159,19 +156,21 @@ def _answer(raw: bytes) -> str | None:
     if not isinstance(content, str):
         return None
     if body.get("model") == JUDGE_MODEL:
-        return "yes" if _verdict(content) else "no"
+        return "yes" if _verdict(body) else "no"
     core = core_of(content)
     return answer_for(core) if core is not None else None
 
 
-def _verdict(question: str) -> bool:
-    if question.startswith(SAME_ANSWER.split("{", 1)[0]) and (found := _SAME.search(question)):
-        a, b = (core_of(side) for side in found.groups())
-        return a is not None and a == b
-    if question.startswith(ANSWERS_AGREE.split("{", 1)[0]) and (found := _AGREE.search(question)):
-        a, b = found.groups()
-        return a == b
-    return False
+def _verdict(body: dict[str, Any]) -> bool:
+    asked = question_of(body)
+    if asked is None:
+        return False
+    question, a, b = asked
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False  # (the catalog's questions are single turns)
+    if question is SAME_ANSWER:
+        return (core := core_of(a)) is not None and core == core_of(b)
+    return a == b
 
 
 def _completion(model: str, text: str) -> bytes:

@@ -230,7 +230,10 @@ class JudgeConfig(Section):
     api_key: SecretStr | None = Field(
         None,
         description="Bearer key sent to the judge (a value, or `${ENV_VAR}` read at start-up; "
-        "null: none). Never logged nor shown.",
+        "null: none). With `url` null the judge's calls go through the upstreams carrying this "
+        "key, or `upstream.api_key` when the gateway holds one (it replaces this one there), "
+        "never a client's; with neither, a warning at start-up: an upstream that wants a key "
+        "refuses every judge call. Never logged nor shown.",
     )
     band: tuple[float, float] = Field(
         (0.75, 0.97),
@@ -264,7 +267,11 @@ class JudgeConfig(Section):
         "and numbers reliably. Empty: every rule's refusal stands.",
     )
     timeout_ms: float = Field(
-        2000, gt=0, description="Longest wait for a verdict; a timeout is a miss."
+        2000,
+        gt=0,
+        description="Longest wait for the judge's verdicts, one deadline for a whole lookup (its "
+        "nearest candidate, then the others); a timeout is a miss. A reply body over 64 KiB is "
+        "no verdict either.",
     )
     max_tokens: int = Field(4, ge=1, description="Tokens the judge may answer with.")
     cache_entries: int = Field(10_000, ge=1, description="Verdicts remembered, per pair.")

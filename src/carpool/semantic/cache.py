@@ -20,7 +20,8 @@ Contract:
   (below); the guard (``guard.Guard``, passed
   in) judges them: the exact rules, then the verifier, on the texts and on the conversations'
   earlier turns (``SemanticView.context``); the most similar alone first, the others in one
-  batch if it fails. The most similar that passes is the ``match``; the most similar one seen
+  batch if it fails (one ``guard.Lookup`` for both: a judge's deadline is the lookup's). The
+  most similar that passes is the ``match``; the most similar one seen
   (passing or not) is ``nearest``, for ``semantic.mode: mark``.
 - The embedder failing (``embedder: upstream`` down, or refusing a text batched with this one;
   a model error; no vector within ``semantic.embed_timeout_ms``) fails no request: the probe finds nothing (a miss, counted in
@@ -124,7 +125,7 @@ from ..lru import LRU, held
 from ..store.base import Selector, StoreUnavailable, synthesized_held
 from .embed.base import EmbeddingDimMismatch
 from .embed.upstream import EmbedderDown
-from .guard import Guard, Side, Verdict
+from .guard import Guard, Lookup, Side, Verdict
 from .index import VectorIndex
 from .verdict import Reason
 
@@ -416,8 +417,10 @@ class SemanticCache:
             found.append((entry, similarity))
         # The most similar candidate is asked about alone (the usual hit: one pair, ~3 ms),
         # the others together only if it fails (8 pairs cost ~7-8 times one: a model run each).
+        # Both batches are one lookup: a judge's verdicts share one deadline.
+        lookup = Lookup()
         for batch in (found[:1], found[1:]):
-            if batch and await self._judge(view, batch, probe, max_age, prefix):
+            if batch and await self._judge(view, batch, probe, max_age, prefix, lookup):
                 break
         return probe
 
@@ -452,9 +455,11 @@ class SemanticCache:
         probe: Probe,
         max_age: float | None,
         prefix: str | None,
+        lookup: Lookup,
     ) -> bool:
         """The guard's verdicts on ``found``; sets ``probe.match`` (True) on the first served.
-        ``prefix``: the requester's prompt prefix (``probe``)."""
+        ``prefix``: the requester's prompt prefix (``probe``); ``lookup``: what the probe's
+        batches share."""
         prompt = _prompt(view) if len(self._refused) else None
         refused = [
             prompt is not None and _pair(entry, prompt) in self._refused for entry, _ in found
@@ -465,6 +470,7 @@ class SemanticCache:
                 Side(view.text, view.context),
                 [entry.side for entry, _ in asked],
                 [similarity for _, similarity in asked],
+                lookup,
             )
             if asked
             else ()

@@ -60,7 +60,7 @@ from .rules.polarity import negators
 from .verdict import Reason, Rule, Verdict
 from .verifier import Verifier
 
-__all__ = ["Guard", "Reason", "RulesThenVerifier", "Side", "Verdict"]
+__all__ = ["Guard", "Lookup", "Reason", "RulesThenVerifier", "Side", "Verdict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +97,24 @@ NEAR_REPEAT_SIMILARITY = 0.97
 NEAR_REPEAT_SCORE = 0.90
 
 
+class Lookup:
+    """What the guard's calls for one lookup share (the cache judges the nearest candidate, then
+    the others): the deadline of the judge's verdicts (the event loop's time), set by the first
+    call that asks the judge (``judge.JudgedGuard``)."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+
+
 class Guard(Protocol):
     async def judge(
-        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+        self,
+        new: Side,
+        candidates: Sequence[Side],
+        similarities: Sequence[float] | None = None,
+        lookup: Lookup | None = None,
     ) -> list[Verdict]: ...
 
 
@@ -245,7 +260,11 @@ class RulesThenVerifier:
         return out
 
     async def judge(
-        self, new: Side, candidates: Sequence[Side], similarities: Sequence[float] | None = None
+        self,
+        new: Side,
+        candidates: Sequence[Side],
+        similarities: Sequence[float] | None = None,
+        lookup: Lookup | None = None,  # (no judge here: nothing to share)
     ) -> list[Verdict]:
         return self.decide(await self.scored(new, candidates), similarities)
 

@@ -117,6 +117,9 @@ class UpstreamRequest:
     # The ids the clients it serves named their requests by (``Request.client_ids``): logged
     # with the call's own id, never sent.
     serves: tuple[str, ...] = ()
+    # The most bytes of a whole answer's body read (the judge's one-word reply): a larger one
+    # is cut there (``UpstreamAnswerCut``), never read whole. None: no bound of the call's own.
+    max_answer_bytes: int | None = None
 
 
 class UpstreamResponse:

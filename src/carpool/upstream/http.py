@@ -531,8 +531,9 @@ class HttpUpstream:
         query = self._query + request.query if request.query else self._base_query
         target = self._path + request.path + ("?" + query if query else "")
         head = wire.request_head(target, self._netloc, headers, len(body))
-        # A stream is read as it comes; anything else whole, in one wait.
-        whole = not request.stream
+        # A stream is read as it comes; anything else whole, in one wait, unless its size is
+        # bounded (counted as it comes).
+        whole = not request.stream and request.max_answer_bytes is None
         try:
             answer = await self._wire().request(head + body, whole)
         except wire.WireError as exc:
@@ -582,7 +583,10 @@ class HttpUpstream:
                 close=_discarding(answer),
             )
         try:
-            data = await answer.read()
+            if request.max_answer_bytes is None:
+                data = await answer.read()
+            else:
+                data = await self._bounded(answer, request.max_answer_bytes)
         except wire.WireError as exc:
             raise self._mid_answer(exc) from exc
         if codings and data:  # (an empty body is one in no coding: a bodiless 429 is one)
@@ -602,6 +606,24 @@ class HttpUpstream:
         if answer.cache_control:  # (whether a shared cache may store it: ``Answer.storable``)
             headers["cache-control"] = answer.cache_control
         return UpstreamResponse(status, headers, body=data)
+
+    async def _bounded(self, answer: wire.Answer, most: int) -> bytes:
+        """A whole answer's body of at most ``most`` bytes, read as it comes; past them, the
+        connection closed (nothing more read) and ``UpstreamAnswerCut``."""
+        pieces: list[bytes] = []
+        size = 0
+        try:
+            async for piece in answer.chunks():
+                size += len(piece)
+                if size > most:
+                    answer.discard()
+                    raise UpstreamAnswerCut(
+                        f"upstream {self.label} answered more than {most} bytes"
+                    )
+                pieces.append(piece)
+        finally:
+            answer.release()  # (after ``discard``, nothing: the first counts)
+        return b"".join(pieces)
 
     def _decoded(self, data: bytes, codings: list[str]) -> bytes:
         """A whole answer's body in ``codings`` (in the order they were applied), decoded, at
