@@ -861,6 +861,57 @@ async def test_concurrent_readyz_send_one_probe_per_replica(gw, fake, monkeypatc
     assert (await gw.client.get("/stats")).json()["upstream_calls"] == 1
 
 
+async def test_readyz_turns_ready_at_the_next_probe_once_a_downed_replica_is_back():
+    """Every replica down, /readyz asked only those out of back-off, and each readiness probe
+    that failed doubled its replica's back-off (up to ``backoff_max_s``): with no traffic to
+    find it out, an upstream back from a short outage stayed unready for up to a minute, a
+    balancer sending nothing. Now, none eligible, every replica is asked, and a failed
+    readiness probe leaves the back-off as it is."""
+    ports = [closed_port(), closed_port()]
+    urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+    routing = {"backoff_s": 600, "backoff_max_s": 3600}  # (the old probe: not before 10 min)
+    async with run_gateway(urls, routing=routing) as gw:
+        for _ in range(3):
+            assert (await gw.client.get("/readyz")).status_code == 503
+        health = (await gw.client.get("/healthz")).json()["replicas"]
+        assert [r["failures"] for r in health.values()] == [1, 1]  # (never doubled)
+
+        def models(call: RawCall) -> bytes:
+            return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+        async with raw_upstream(models, port=ports[1]) as back:  # no request, only /readyz
+            ready = await gw.client.get("/readyz")
+            assert ready.status_code == 200, ready.text
+            assert len(back.calls) == 1  # (one probe found it back)
+            health = (await gw.client.get("/healthz")).json()["replicas"]
+            assert health["replica-1"]["healthy"] is True
+
+
+async def test_readyz_answers_from_a_healthy_replica_while_another_hangs():
+    """The readiness probe asked the replicas one after another, each within 2 s: one that
+    took the call and never answered made every /readyz wait for it (Kubernetes gives a probe
+    1 s by default), then left it out as if dead. Asked together, the first answer is
+    /readyz's, and the hung replica's call is let go, no verdict on it."""
+    hung = asyncio.Event()  # (its answer, once /readyz has answered)
+    healthy = FakeUpstream()
+
+    def models(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+    async with raw_upstream(models) as hanging, serve_app(healthy) as other:
+        hanging.gate = hung
+        try:
+            async with run_gateway([hanging.url, other + "/v1"]) as gw:
+                ready = await gw.client.get("/readyz")
+                assert ready.status_code == 200, ready.text
+                assert len(hanging.calls) == 1 and not hung.is_set()  # (asked, still hanging)
+                assert healthy.count("/v1/models") == 1
+                health = (await gw.client.get("/healthz")).json()["replicas"]
+                assert health["replica-0"] == {"healthy": True, "state": "healthy", "failures": 0}
+        finally:
+            hung.set()
+
+
 class Dead:
     """An in-process upstream that is never reachable."""
 
@@ -902,9 +953,12 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     await fail_at(1031)
     second = caplog.records[-1].getMessage()
     assert len(caplog.records) == 2 and "4 more failure(s) not logged in the last 31 s" in second
+    # /readyz asks it, in vain, in back-off (no replica healthy) or not, its back-off as it was.
     assert replicas.replicas[0].errors == 6 and not await replicas.ready()
-    now[0] = 5000  # back-off over: /readyz probes it, in vain
-    assert not await replicas.ready() and replicas.replicas[0].errors == 7
+    assert replicas.replicas[0].errors == 7 and replicas.replicas[0].failures == 6
+    now[0] = 5000
+    assert not await replicas.ready() and replicas.replicas[0].errors == 8
+    assert replicas.replicas[0].failures == 6 and len(caplog.records) == 2
 
 
 class Flaky(Dead):

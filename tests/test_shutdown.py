@@ -194,6 +194,26 @@ async def test_pass_through_requests_still_running_when_the_grace_period_ends_ar
     assert log.count("shutting down: an answer still being relayed was cut") == 1, log
 
 
+async def test_a_request_cut_at_the_end_of_the_grace_period_logs_no_error(fake):
+    # The cut is planned (the grace period is the operator's) and carpool says it at INFO, but
+    # uvicorn said it too, at ERROR ("Cancel 1 running task(s), timeout graceful shutdown
+    # exceeded"): an alert on every rollout that cut a long request.
+    settings = {"shutdown": {"drain_s": 0, "grace_s": 0.3}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        fake.gate = asyncio.Event()  # the upstream call waits for it, never set
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=BODY))
+        await _until(lambda: _waiters(gw, 1), "the request in progress")
+        gw.proc.send_signal(signal.SIGTERM)
+        answer = await request
+        assert answer.status_code == 503, answer.text
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+        log = gw.log.read_text()
+    assert log.count("shutting down: a request still waiting was cut") == 1, log
+    assert [line for line in log.splitlines() if " ERROR " in line] == [], log
+    cancel = [line for line in log.splitlines() if "timeout graceful shutdown exceeded" in line]
+    assert len(cancel) == 1 and " INFO uvicorn.error " in cancel[0], log
+
+
 def _half_answer() -> bytes:
     """An answer's head and the first part of a body its ``content-length`` says is longer."""
     return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 1000\r\n\r\n" + (

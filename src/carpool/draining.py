@@ -7,7 +7,8 @@ signal: ``Gateway.begin_draining``, on the event loop, not in the signal's handl
 uvicorn stops as it does on a signal: the listener closes, the requests in progress (a flight's
 waiters, streams) get ``shutdown.grace_s`` to finish, those still running then are cut and told
 so in their API's terms (``server.GatewayApp.serve``: a 503 with ``Retry-After``, or a stream's
-error event and end; logged at INFO, not as a crash), the lifespan closes the layers, the
+error event and end; logged at INFO, not as a crash, and so is uvicorn's own line counting them,
+its ERROR turned INFO: ``GraceCutAtInfo``), the lifespan closes the layers, the
 process exits 0, whatever stopped it (SIGTERM, a second one, SIGINT). A second SIGTERM, or
 SIGINT, skips what is left of the drain; a second signal once stopping (Ctrl-C twice) changes
 nothing (said at INFO): never uvicorn's force quit, which a second SIGINT was, cutting the
@@ -54,6 +55,27 @@ from .config import Config
 log = logging.getLogger("carpool.server")
 
 
+class GraceCutAtInfo(logging.Filter):
+    """uvicorn's "Cancel N running task(s), timeout graceful shutdown exceeded", an ERROR of
+    ``uvicorn.error``, at INFO: the cut is the grace period the operator set doing its work,
+    each request told so and logged (INFO), not a crash; an ERROR on every rollout that cut a
+    long request paged someone for nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in str(
+            record.msg
+        ):
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+def grace_cut_at_info() -> None:
+    """``GraceCutAtInfo`` on uvicorn's logger, once (``carpool serve``'s server, or a worker's)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, GraceCutAtInfo) for f in logger.filters):
+        logger.addFilter(GraceCutAtInfo())
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(
         self,
@@ -63,6 +85,7 @@ class DrainingServer(uvicorn.Server):
         listening: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(config)
+        grace_cut_at_info()
         self.gateway = gateway
         self.listening = listening  # told the port the socket got, once bound
         self.drain_s = settings.shutdown.drain_s

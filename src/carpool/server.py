@@ -139,6 +139,7 @@ from .apis import BY_PATH, Api, api_at
 from .auth import ClientKeys, presents
 from .config import Config
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
+from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
     CarpoolError,
@@ -672,7 +673,9 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
 
     async def readyz(_: HttpRequest) -> Response:
         # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
-        ready = not gateway.draining and await gateway.replicas.ready()
+        ready = not gateway.draining and await gateway.replicas.ready(
+            gateway.config.routing.ready_timeout_s
+        )
         return JSONResponse(
             {"ready": ready, "replicas": gateway.replicas.health()}, 200 if ready else 503
         )
@@ -884,6 +887,7 @@ def create_worker_app() -> GatewayApp:
     a flag in every worker)."""
     config = Config.load(os.environ.get("CARPOOL_CONFIG"), env={})
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
+    grace_cut_at_info()  # (uvicorn's own server stops this worker: its cut at INFO too)
     _leave_with_parent(os.environ.get(PARENT_VARIABLE))
     directory = os.environ.get(PEERS_VARIABLE)
     peers = None

@@ -18,7 +18,8 @@ Details:
   with its bytes (a tuple), then it is closed. ``connections`` counts the connections taken,
   ``ended`` those over (either side closed it: a gateway that gave up on an answer trickling
   in closes it, and the next write fails). ``server`` is the listening server (closed: no
-  new connection is taken, those open are kept).
+  new connection is taken, those open are kept). ``port``: where it listens (0: a free one; a
+  port given: an upstream that comes back where the gateway was refused).
 - ``answer(status, reason, body, content_type, headers)`` makes an answer's bytes, with its
   ``content-length`` (``content_type=None``: no ``content-type`` line at all);
   ``chat_completion(text)`` a complete chat answer's body.
@@ -161,9 +162,9 @@ class RawUpstream:
 
 
 @contextlib.asynccontextmanager
-async def raw_upstream(respond: Respond) -> AsyncIterator[RawUpstream]:
+async def raw_upstream(respond: Respond, port: int = 0) -> AsyncIterator[RawUpstream]:
     upstream = RawUpstream(respond)
-    server = upstream.server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+    server = upstream.server = await asyncio.start_server(upstream.serve, "127.0.0.1", port)
     upstream.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
     try:
         yield upstream

@@ -322,7 +322,8 @@ class ShutdownConfig(Section):
         "those still running then are cut, a reply not begun as a 503 with Retry-After in its "
         "API's error shape (pass-through's too, in OpenAI's), a stream under way with its API's "
         "error event and its end (a pass-through answer being relayed: its connection closed, "
-        "never its body ended as if whole). Requests waiting in an embeddings batch are sent "
+        "never its body ended as if whole), each cut logged at INFO (uvicorn's count of them "
+        "too), not as an error. Requests waiting in an embeddings batch are sent "
         "as the drain begins, whatever `batching.max_batch_delay_ms`. A second signal once "
         "stopping (Ctrl-C twice) changes nothing; a third ends the grace period at once, "
         "cutting those requests so (one worker).",

@@ -92,7 +92,7 @@ class RoutingConfig(Section):
         "(or a 401 to its own key, `upstream.api_keys`); "
         "doubled each time a call sent to it once it was left out (a probe) fails, up to "
         "backoff_max_s (the calls already in flight that fail with the first failure add "
-        "nothing). Shorter: a recovered "
+        "nothing, nor does a failed /readyz probe). Shorter: a recovered "
         "replica rejoins sooner, a dead one costs more failed probes (each retried once on "
         "another replica, so only latency).",
     )
@@ -109,6 +109,15 @@ class RoutingConfig(Section):
         "timed out, 5xx), whether it recovered in between or not; the next line counts the "
         "failures and recoveries not logged in between. The first failure after a quiet period "
         "is always logged, and the recovery from a logged failure.",
+    )
+    ready_timeout_s: float = Field(
+        0.8,
+        gt=0,
+        description="Seconds /readyz waits for a replica's answer to its probe (GET /models, "
+        "asked of the replicas at once, the first answer deciding) when no replica answered "
+        "in the last 5 s; one that does not answer in time is left out as a failed one. Keep "
+        "it under the balancer's probe timeout (Kubernetes' default: 1 s). 0.8: an engine's "
+        "/models answers in milliseconds, and /readyz answers within 1 s.",
     )
 
     @model_validator(mode="after")

@@ -104,19 +104,26 @@ all, and so whether ``text`` matters):
   when the failure that downed it was logged, and held back with it otherwise. Each line
   counts the failures and recoveries held back since the last line that counted them.
 - ``health()`` (``/healthz``) and ``ready()`` (``/readyz``): per replica by its public ``label``;
-  ready while some replica is healthy or its back-off is over (then the next request probes it:
-  reporting not-ready then would keep away the traffic that finds out it is back). A replica
+  ready while some replica answered in the last ``READY_TRUST_S``, else once one answers the
+  readiness probe: ``GET /models`` asked of the replicas concurrently, within ``timeout`` each
+  (``routing.ready_timeout_s``), the first answer ending it (the other calls cancelled: no
+  verdict on them). With a replica healthy, the eligible ones are asked; with none, every one,
+  in back-off or not (a balancer sends an unready gateway no traffic: no request would find
+  out that one is back before its back-off ends). A failed readiness probe downs a healthy
+  replica as any failure does; of one already down it is no news (its ``errors``), never
+  growing its back-off. A replica
   that answers the readiness probe at all, with a 401/403 to the gateway's key too (or a
   status pass-through does not relay: a redirect, a 101, a 999; or a head whose body is then
   cut or stalls), is reachable; but for a 401 to its own key (``own_keys``): none of its
   calls would be answered, it is downed (a 403 to ``/models``, a restricted key's, is
   reachable). Any other failure of the probe (no answer, or an ``UpstreamError`` none of these
-  names) downs that replica and the next one is asked: ``ready`` raises none of them.
+  names) is that replica's failure: ``ready`` raises none of them.
   One readiness probe at a time per set (``/readyz`` is open to anyone: its calls must not be
   as many calls of the replicas with the gateway's key): concurrent callers await the one
   under way, shielded (a caller that leaves does not cancel it for the others); each
   replica's call within the first caller's ``timeout``. Each probe sent is an attempt like
-  any (``calls``; ``observe``, with no decision: the engines were asked it, and bill it), so
+  any (``calls``; ``observe``, with no decision: the engines were asked it, and bill it; one
+  cancelled, another replica having answered first, in ``calls`` only: no status), so
   ``upstream_calls`` counts it; an in-process upstream without ``/models``
   (``PathNotAllowed``) was sent nothing and counts nothing.
 """
@@ -166,6 +173,10 @@ _MAX_DOUBLINGS = 64
 
 # Seconds ``ready`` trusts a replica's last answer before it asks it again.
 READY_TRUST_S = 5.0
+
+# Seconds a readiness probe waits for a replica's answer (``routing.ready_timeout_s``): under
+# Kubernetes' default probe timeout (1 s), the gateway's own time included.
+READY_TIMEOUT_S = 0.8
 
 
 # 5xx answers about the call, not the replica: "not implemented" (an engine without the
@@ -743,15 +754,15 @@ class ReplicaSet:
             for r in self.replicas
         }
 
-    async def ready(self, timeout: float = 2.0) -> bool:
+    async def ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
         """For ``/readyz``: whether some replica is reachable. One that has answered and not
-        failed since is; otherwise each replica not in back-off is asked ``GET /models`` now
-        (any HTTP answer proves it reachable; a failure starts its back-off), so that a dead
-        upstream is not ready before any request has failed on it, nor once its back-off ends.
-        An answer is trusted for ``READY_TRUST_S``: an upstream that died since, with no request
-        to find it out, is asked again (it was ready for ever, a balancer sending it traffic).
-        A probe under way is awaited, not sent again (``timeout``: each replica's, the first
-        caller's)."""
+        failed since is; otherwise replicas are asked ``GET /models`` now, all at once (any
+        HTTP answer proves one reachable; see ``_probe``), so that a dead upstream is not ready
+        before any request has failed on it, nor an upstream back from an outage unready until
+        a request finds it out. An answer is trusted for ``READY_TRUST_S``: an upstream that
+        died since, with no request to find it out, is asked again (it was ready for ever, a
+        balancer sending it traffic). A probe under way is awaited, not sent again
+        (``timeout``: its calls', the first caller's)."""
         now = self.clock()
         if any(
             r.healthy and r.answered and now - r.answered_at < READY_TRUST_S for r in self.replicas
@@ -770,42 +781,71 @@ class ReplicaSet:
             self._readiness = None
 
     async def _probe(self, timeout: float) -> bool:
-        """The readiness probe (``ready``): each replica not in back-off asked ``GET /models``
-        in turn, within ``timeout`` each, until one answers."""
-        for replica in self.replicas:
-            if not replica.eligible(self.clock()):
-                continue
-            seen = replica.verdicts
-            try:
-                async with asyncio.timeout(timeout) as within:
-                    response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
-            except PathNotAllowed:
-                pass  # an in-process upstream: no /models (nothing was sent), but up
-            except (UpstreamRedirected, UpstreamBadStatus) as error:
-                self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
-            except UpstreamKeyRefused as error:
-                self._probe_sent(replica, error.upstream_status or error.status)
-                if self._own_key_refused(error):  # (no call of it would be answered)
-                    self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
-                    continue
-                self._refused(replica, error)  # an answer: reachable
-            except (UpstreamError, TimeoutError, OSError) as error:
-                # No answer (unreachable, timed out), or a failure no branch above names: this
-                # replica failed, and the next one is asked (never a 500 for /readyz).
-                if isinstance(error, UpstreamError):
-                    self._probe_sent(replica, error.status)
-                else:
-                    self._probe_sent(replica, 504 if isinstance(error, TimeoutError) else 502)
-                self._failed(replica, f"readiness probe: {_what(error)}", seen)
-                continue
+        """The readiness probe (``ready``): the replicas asked ``GET /models`` concurrently,
+        within ``timeout``, the first answer ending it (the other calls cancelled, no verdict
+        on them): one hung replica must not hold /readyz past a balancer's probe timeout
+        (Kubernetes': 1 s) while another answers. With a replica healthy, those eligible are
+        asked; with none, every one, in back-off or not: a balancer sends an unready gateway
+        no traffic, so no request would find out that an upstream is back before its back-off
+        ends (up to ``backoff_max_s``). The calls are as many as the /readyz probes (one at a
+        time, ``ready``), never more than one per replica each."""
+        now = self.clock()
+        if any(r.healthy for r in self.replicas):
+            asked = [r for r in self.replicas if r.eligible(now)]
+        else:
+            asked = list(self.replicas)
+        calls = [asyncio.ensure_future(self._ask(replica, timeout)) for replica in asked]
+        try:
+            for call in asyncio.as_completed(calls):
+                if await call:
+                    return True
+            return False
+        finally:
+            for call in calls:
+                call.cancel()  # (once one answered: the others are not waited for)
+            await asyncio.wait(calls)
+
+    async def _ask(self, replica: ReplicaState, timeout: float) -> bool:
+        """``replica`` asked ``GET /models`` for the readiness probe, within ``timeout``:
+        whether it answered (then healed, if it was down). Its failure downs a healthy replica
+        (news, as any call's); of one already down it is no news (counted in its ``errors``):
+        a readiness probe never grows a back-off, asked as often as /readyz is."""
+        seen = replica.verdicts if replica.healthy else -1
+        try:
+            async with asyncio.timeout(timeout) as within:
+                response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
+        except PathNotAllowed:
+            pass  # an in-process upstream: no /models (nothing was sent), but up
+        except (UpstreamRedirected, UpstreamBadStatus) as error:
+            self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
+        except UpstreamKeyRefused as error:
+            self._probe_sent(replica, error.upstream_status or error.status)
+            if self._own_key_refused(error):  # (no call of it would be answered)
+                self._failed(replica, f"readiness probe: {_key_refused(error)}", seen)
+                return False
+            self._refused(replica, error)  # an answer: reachable
+        except (UpstreamError, TimeoutError, OSError) as error:
+            # No answer (unreachable, timed out), or a failure no branch above names: this
+            # replica failed (never a 500 for /readyz).
+            if isinstance(error, UpstreamError):
+                self._probe_sent(replica, error.status)
             else:
-                self._probe_sent(replica, response.status)
-                await _drained(response.body, within.when())
-            replica.answered, replica.answered_at = True, self.clock()
-            if not replica.healthy:
-                self._succeeded(replica)
-            return True
-        return False
+                self._probe_sent(replica, 504 if isinstance(error, TimeoutError) else 502)
+            what = (
+                f"no answer in {timeout:g} s" if isinstance(error, TimeoutError) else _what(error)
+            )
+            self._failed(replica, f"readiness probe: {what}", seen)
+            return False
+        except asyncio.CancelledError:
+            replica.calls += 1  # (sent, as far as anyone knows: an attempt, with no status)
+            raise
+        else:
+            self._probe_sent(replica, response.status)
+            await _drained(response.body, within.when())
+        replica.answered, replica.answered_at = True, self.clock()
+        if not replica.healthy:
+            self._succeeded(replica)
+        return True
 
     def _probe_sent(self, replica: ReplicaState, status: int) -> None:
         """A readiness probe sent to ``replica``, answered ``status`` (or failed with it): an
