@@ -447,6 +447,44 @@ def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
     assert all("usage" not in c for c in plain) and all(c["choices"] for c in plain)
 
 
+def test_the_openai_sdk_stream_helper_reads_a_synthesized_stream_with_logprobs_once_per_choice():
+    """The SDK's ``ChatCompletionStreamState`` copies the logprobs of a choice's first chunk and
+    then appends them again when the choice first appears after the stream's first chunk: each
+    choice opens with a role-only chunk, as vLLM and OpenAI send, so that they count once."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    def logprobs(*tokens: str) -> list[dict]:
+        return [{"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []} for t in tokens]
+
+    body = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": f"answer {i}"},
+                "logprobs": {"content": logprobs("answer", f" {i}"), "refusal": None},
+                "finish_reason": "stop",
+            }
+            for i in range(3)
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7},
+    }
+    chunks = synthesize("chat", body, include_usage=True)
+    assert assemble("chat", chunks) == body
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion()
+    for i, choice in enumerate(final.choices):
+        assert choice.message.content == f"answer {i}" and choice.message.role == "assistant"
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert [t.token for t in choice.logprobs.content] == ["answer", f" {i}"], i
+
+
 # --- round trip (property) ----------------------------------------------------------------------
 
 text = st.text(max_size=12)

@@ -507,8 +507,9 @@ def _sort_key(index: Any) -> tuple[int, Any]:
 
 
 def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
-    """Chunks a server could have streamed for ``body``: per choice a content chunk, then per
-    choice a finish chunk, then (``include_usage`` and the body has usage) a usage chunk."""
+    """Chunks a server could have streamed for ``body``: per choice a content chunk (a chat
+    choice with logprobs: a role-only chunk, then its content), then per choice a finish chunk,
+    then (``include_usage`` and the body has usage) a usage chunk."""
     identity = {key: body[key] for key in _IDENTITY if key in body}
     # Other top-level fields (vLLM's prompt_logprobs, ...) go once, in the first chunk.
     extra = {
@@ -524,7 +525,7 @@ def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[
     # for them (what else is odd in it goes out as it is).
     found = body.get("choices")
     choices = [choice for choice in found if type(choice) is dict] if type(found) is list else []
-    content = [_content_choice(kind, choice) for choice in choices]
+    content = [part for choice in choices for part in _content_choices(kind, choice)]
     finish = [_finish_choice(kind, choice) for choice in choices]
     chunks = [{**head, "choices": [choice]} for choice in content + finish]
     if chunks:
@@ -532,6 +533,18 @@ def synthesize(kind: str, body: dict[str, Any], *, include_usage: bool) -> list[
     if include_usage and body.get("usage") is not None:
         chunks.append({**head, "choices": [], "usage": body["usage"]})
     return chunks
+
+
+def _content_choices(kind: str, choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A choice's content chunk; a chat choice with logprobs opens with a role-only chunk first,
+    as vLLM and OpenAI send: the openai SDK's stream helper appends the logprobs of a choice's
+    first chunk twice when it is not the stream's first (choices 1 and up, each token twice)."""
+    content = _content_choice(kind, choice)
+    if kind != "chat" or content["logprobs"] is None:
+        return [content]
+    delta = content["delta"]
+    opening = {key: delta.pop(key) for key in ("role",) if key in delta}
+    return [{**content, "delta": opening, "logprobs": None}, content]
 
 
 def _content_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
