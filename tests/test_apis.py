@@ -1094,6 +1094,26 @@ def test_a_message_synthesized_into_events_assembles_back_to_itself():
     assert not api.complete({**body, "stop_reason": None})
 
 
+def test_a_paused_turn_is_served_and_replayed_but_never_stored():
+    # ``pause_turn``: Anthropic paused a long turn (its own tools) for the client to send it
+    # back and go on: not a complete answer to share, though a retry of the same call replays it.
+    api = api_of("messages")
+    paused = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "m",
+        "content": [{"type": "text", "text": "Searching"}],
+        "stop_reason": "pause_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 3, "output_tokens": 4},
+    }
+    assert not api.complete(paused) and api.final(paused)
+    assert api.complete({**paused, "stop_reason": "end_turn"})
+    chunks = typed("messages", b"".join(api.synthesize(paused, True)).decode())
+    assert api.judge_stream(chunks, None) == (paused, False)
+
+
 # --- the official SDKs -------------------------------------------------------------------------
 
 

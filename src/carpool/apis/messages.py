@@ -8,7 +8,8 @@ Contract (``apis.base.Api``):
   apart): ``usage_tokens`` (``tokens_saved``) adds all of them to ``output_tokens``. It is
   complete (storable) when it has a ``stop_reason`` (``end_turn``, ``max_tokens``,
   ``stop_sequence``, ``tool_use``...: like chat's finish reasons, ``max_tokens`` included); one
-  without is served as the upstream sent it and never stored.
+  without, or with ``pause_turn`` (a turn paused for the client to continue), is served as the
+  upstream sent it and never stored (an idempotent retry still replays it: ``final``).
 - Its stream is typed events with no ``[DONE]``: ``message_start`` (the message, no content),
   per block ``content_block_start``, ``content_block_delta`` (``text_delta``,
   ``input_json_delta``, ``thinking_delta``, ``signature_delta``, ``citations_delta``,
@@ -73,6 +74,9 @@ from .base import (
 
 LAST_EVENT = "message_stop"
 # The message fields that a stream sends in ``message_delta`` rather than ``message_start``.
+# Stop reasons of a turn not finished: none yet, or ``pause_turn`` (Anthropic paused a long
+# turn of its own tools for the client to send back and go on). Served, never stored.
+_UNFINISHED = (None, "pause_turn")
 _DELTA_FIELDS = ("stop_reason", "stop_sequence", "stop_details", "container")
 # The message fields that it sends beside ``message_delta``'s delta, at the top of the event.
 _END_FIELDS = ("context_management",)
@@ -175,7 +179,7 @@ class MessagesApi(TypedApi):
         return (
             isinstance(body, dict)
             and body.get("type") == "message"
-            and body.get("stop_reason") is not None
+            and body.get("stop_reason") not in _UNFINISHED
             and isinstance(body.get("content"), list)
         )
 
