@@ -105,6 +105,30 @@ async def test_stats_and_metrics_come_to_count_only_the_live_exact_entries(gatew
         assert gw.gateway.store.evictions == 0 and fake.count() == 3
 
 
+async def test_stats_and_metrics_show_the_repeat_memos_entries_and_bytes_within_its_budget(
+    gateway_with, fake
+):
+    """The memo of byte-identical repeats holds request bodies (up to
+    ``fingerprint.repeat_memo_bytes`` per process): RSS grows with it, so the reports say how
+    much it holds."""
+    budget = 4096
+    async with gateway_with(fingerprint={"repeat_memo_bytes": budget}) as gw:
+        empty = (await gw.client.get("/stats")).json()["repeat_memo"]
+        assert empty == {"entries": 0, "bytes": 0, "max_bytes": budget}
+        for i in range(40):
+            await gw.chat(f"question {i}")
+        memo = (await gw.client.get("/stats")).json()["repeat_memo"]
+        assert 0 < memo["entries"] < 40 and 0 < memo["bytes"] <= budget
+        assert memo == {
+            "entries": len(gw.gateway.repeats),
+            "bytes": gw.gateway.repeats.bytes,
+            "max_bytes": budget,
+        }
+        text = (await gw.client.get("/metrics")).text
+        assert samples(text, "carpool_repeat_memo_entries")[""] == memo["entries"]
+        assert samples(text, "carpool_repeat_memo_bytes")[""] == memo["bytes"]
+
+
 async def exact_figures(served: Served) -> list[tuple[float, float]]:
     """The exact cache's (entries, bytes) as ``/stats`` and then ``/metrics`` report them."""
     exact = (await served.client.get("/stats")).json()["layers"]["exact"]

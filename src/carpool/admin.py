@@ -97,6 +97,13 @@ def gauges(layers: Layers) -> dict[str, Any]:
                 else {}
             ),
         },
+        # Not answers (``layers``): request bodies, for byte-identical repeats; held per
+        # process, up to ``fingerprint.repeat_memo_bytes`` (RSS grows with it).
+        "repeat_memo": {
+            "entries": len(layers.repeats),
+            "bytes": layers.repeats.bytes,
+            "max_bytes": layers.repeats.max_bytes,
+        },
         "replicas": {name: r["in_flight"] for name, r in layers.replicas.snapshot().items()},
         "redis_errors": redis_errors(layers),
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
@@ -138,6 +145,7 @@ def snapshot(layers: Layers) -> dict[str, Any]:
         "flights": g["flights"],
         "waiters": g["waiters"],
         "layers": g["layers"],
+        "repeat_memo": g["repeat_memo"],
         "replicas": layers.replicas.snapshot(),
         "routing": dict(layers.stats.routing),
         "batching": layers.batcher.stats(),

@@ -303,6 +303,17 @@ class _StatsCollector(Collector):
             size.add_metric([layer], info["bytes"])
         yield entries
         yield size
+        memo = g["repeat_memo"]
+        yield GaugeMetricFamily(
+            "carpool_repeat_memo_entries",
+            "Request bodies held by the memo of byte-identical repeats (not answers).",
+            value=memo["entries"],
+        )
+        yield GaugeMetricFamily(
+            "carpool_repeat_memo_bytes",
+            "Bytes held by the memo of byte-identical repeats (fingerprint.repeat_memo_bytes).",
+            value=memo["bytes"],
+        )
         load = GaugeMetricFamily(
             "carpool_upstream_in_flight", "Calls in flight per replica.", labels=["replica"]
         )

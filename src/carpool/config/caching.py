@@ -38,8 +38,10 @@ class FingerprintConfig(Section):
     repeat_memo_bytes: int = Field(
         16 * 1024 * 1024,
         ge=0,
-        description="Budget (bytes of request bodies) of the memo that "
-        "lets a byte-identical repeat reach the exact cache without being parsed again; 0 = off.",
+        description="Budget (bytes: request bodies, their header values and ~400 bytes an "
+        "entry) of the memo that lets a byte-identical repeat reach the exact cache without "
+        "being parsed again, per process (each worker its own); 0 = off. /stats `repeat_memo` "
+        "and /metrics `carpool_repeat_memo_bytes` say what it holds.",
     )
     neutral_headers: list[str] = Field(
         default_factory=list,
