@@ -12,6 +12,8 @@ it), in which case it fails.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import os
 import re
@@ -86,6 +88,13 @@ SNAPSHOT_JS = """(colors) => {
   }
   return {board: window.carpoolDashboard, tiles, charts};
 }"""
+
+
+# What the page's Content-Security-Policy refused, as the browser reports it (the console says
+# so too, as an error): an init script records it from the first byte of the page on.
+VIOLATIONS_JS = """window.violations = [];
+document.addEventListener('securitypolicyviolation',
+  (e) => window.violations.push(e.violatedDirective + ' ' + e.blockedURI));"""
 
 
 @pytest.fixture
@@ -180,8 +189,10 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
     page.on("request", lambda r: requested.append(r.url))
+    await page.add_init_script(VIOLATIONS_JS)  # (run by the browser, outside the page's policy)
     response = await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
     assert response is not None and response.status == 200
+    assert "content-security-policy" in response.headers  # (the page works under it)
     assert "carpool" in await page.title() and await page.inner_text(".logo") == "carpool"
 
     await page.wait_for_function(
@@ -237,6 +248,7 @@ async def test_dashboard_draws_the_live_stats_and_follows_new_traffic(gw, fake, 
         assert charts["outcomes"]["near"][outcome] >= 3, (outcome, charts["outcomes"])
 
     assert problems == []  # no console error or warning, no failed request
+    assert await page.evaluate("() => window.violations") == []  # none of the page's policy
     assert requested and all(url.startswith(gw.url + "/") for url in requested), requested
     assert {url.split("?")[0] for url in requested} == {f"{gw.url}/dashboard", f"{gw.url}/stats"}
     await page.close()
@@ -350,6 +362,47 @@ async def test_dashboard_is_one_self_contained_html_page(gw):
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*//""", html)  # nor protocol-relative
     assert not re.search(r"@import|<script[^>]+src=|<link[^>]+stylesheet", html)
     assert re.search(r"""fetch\(\s*['"]stats['"]""", html)  # relative: any host/prefix
+
+
+async def test_the_dashboard_is_served_with_a_content_security_policy_and_no_caching(gw, browser):
+    """The page draws what clients named (namespaces, models): were anything of theirs ever to
+    reach it as markup, its policy runs no script but its own, loads nothing, sends nowhere but
+    back to the gateway, and no other site may frame it. A browser keeps no copy of it (it is
+    behind the admin token) and sends no Referer from it."""
+    response = await gw.client.get("/dashboard")
+    assert response.status_code == 200
+    headers = response.headers
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["cache-control"] == "no-store"
+    assert headers["referrer-policy"] == "no-referrer"
+    policy = {
+        directive.split()[0]: directive.split()[1:]
+        for directive in headers["content-security-policy"].split(";")
+        if directive.strip()
+    }
+    assert policy["default-src"] == ["'none'"]
+    assert policy["connect-src"] == ["'self'"]
+    assert policy["frame-ancestors"] == ["'none'"]
+    (script,) = re.findall(r"^<script>(.*?)</script>", response.text, re.DOTALL | re.MULTILINE)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert policy["script-src"] == [f"'sha256-{digest}'"]  # its own script, no other
+    assert "'unsafe-inline'" not in policy.get("style-src", []) + policy.get("img-src", [])
+
+    # A browser holds the page to it: a script put into it (what an injection would be) does
+    # not run, and says so; the page's own goes on polling.
+    page = await browser.new_page()
+    await page.add_init_script(VIOLATIONS_JS)
+    await page.goto(f"{gw.url}/dashboard?interval={POLL_MS}")
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    assert await page.evaluate("() => window.violations") == []
+    await page.evaluate(
+        """() => { const s = document.createElement('script');
+          s.textContent = 'window.injected = true'; document.body.append(s); }"""
+    )
+    await page.wait_for_function("() => window.violations.length > 0", timeout=WAIT_MS)
+    assert await page.evaluate("() => window.injected") is None
+    assert all(v.startswith("script-src") for v in await page.evaluate("() => window.violations"))
+    await page.close()
 
 
 async def test_with_an_admin_token_the_dashboard_asks_for_it_and_then_polls_stats(
@@ -705,6 +758,48 @@ async def test_thousands_of_namespaces_draw_a_bounded_number_of_tiles_and_the_ch
     assert shown["more"] == f"+{len(namespaces) - len(drawn) + 500:,}"
     assert "GET /admin/semantic/audit" in shown["note"]
     assert shown["chart"] < shown["screen"], shown  # the charts on the first screen
+    await page.close()
+
+
+async def test_a_long_namespace_is_clipped_on_its_tile_with_its_full_name_in_the_title(gw, browser):
+    """Namespaces are the clients' to name, up to 256 characters: the tile's label did not clip,
+    and one such name made the page twice as wide as the window."""
+    name = "n" * 120 + "-" + "x" * 135  # 256 characters, as long as a namespace may be
+    audit = {"audited": 3, "wrong": 0, "estimate": 0.0, "low": 0.0, "high": 0.5}
+    doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33}
+    doc["semantic_audit"] = {name: {**audit, "state": "serving"}}
+    page, thrown = await polling(browser, gw, [doc])
+    await page.set_viewport_size({"width": 1280, "height": 900})
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    shown = await page.evaluate(
+        """(id) => { const label = document.getElementById(id).querySelector('.label');
+          return {page: document.documentElement.scrollWidth, window: innerWidth,
+                  title: label.title, clipped: label.scrollWidth > label.clientWidth}; }""",
+        f"tile-audit-ns-{name}",
+    )
+    assert thrown == []
+    assert shown["page"] <= shown["window"], shown  # no sideways scrolling
+    assert shown["clipped"] and shown["title"].endswith(" " + name), shown
+    await page.close()
+
+
+async def test_namespaces_differing_only_in_case_read_differently_on_their_tiles(gw, browser):
+    """Namespaces are case-sensitive (``faq`` and ``FAQ`` share nothing), but the label was set
+    in capitals: their two tiles read the same. The fixed words are, the namespace as written."""
+    audit = {"audited": 3, "wrong": 0, "estimate": 0.0, "low": 0.0, "high": 0.5}
+    doc = {"requests": 3, "hits": 1, "misses": 2, "saved_fraction": 0.33}
+    doc["semantic_audit"] = {
+        "faq": {**audit, "state": "serving"},
+        "FAQ": {**audit, "estimate": 0.5, "state": "backed-off"},
+    }
+    page, thrown = await polling(browser, gw, [doc])
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    lower = await page.inner_text("#tile-audit-ns-faq .label")  # as rendered, capitals and all
+    upper = await page.inner_text("#tile-audit-ns-FAQ .label")
+    assert thrown == []
+    assert lower != upper, (lower, upper)
+    assert lower.endswith(" faq") and upper.endswith(" FAQ"), (lower, upper)
+    assert lower.startswith("WRONG HITS") and upper.startswith("WRONG HITS")  # the fixed words
     await page.close()
 
 

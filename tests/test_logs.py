@@ -46,6 +46,46 @@ def test_every_line_names_its_layer_and_request(restored, fmt, monkeypatch):
         assert "WARNING carpool.routing [req-7] upstream vllm-0 failed" in line
 
 
+class Kept(logging.Handler):
+    """Keeps the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def test_a_clients_request_ids_reach_the_text_log_escaped_and_cut_short(
+    restored, monkeypatch, fake, gateway_with
+):
+    """The debug line of an upstream call names the client ids it serves (its ``x-request-id``,
+    its body's ``request_id``), the client's own text: escaped as JSON only, NEL, LINE SEPARATOR
+    (a line break to a log viewer) and RIGHT-TO-LEFT OVERRIDE went to the text log raw, and a
+    1,000,000-character id made a megabyte line."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    logs.configure("debug", "text")
+    kept = Kept()
+    restored.addHandler(kept)
+    forged = "r1\n2026 FORGED\x1b[31m\u0085NEL-FORGED\u2028LS-FORGED\u202eDELROW"
+    async with gateway_with() as gw:
+        assert (await gw.chat("forged id", request_id=forged)).status_code == 200
+        assert (await gw.chat("long id", request_id="L" * 1_000_000)).status_code == 200
+    calls = [r.getMessage() for r in kept.records if r.getMessage().startswith("upstream call")]
+    assert len(calls) == 2, calls
+    text = stream.getvalue()
+    # (str.splitlines breaks at NEL and LINE SEPARATOR, as log viewers do.)
+    assert len(text.splitlines()) == len(kept.records)
+    for raw in ("\x1b", "\u0085", "\u2028", "\u202e"):
+        assert raw not in text, ascii(raw)
+    lines = [line for line in text.splitlines() if " upstream call " in line]
+    assert len(lines) == 2 and all(len(line) < 1000 for line in lines), [len(x) for x in lines]
+    assert "FORGED" in lines[0] and "DELROW" in lines[0]  # still there to be matched
+    assert "L" * 100 in lines[1] and "999,872 more" in lines[1]
+
+
 def test_a_port_in_use_is_said_before_anything_says_listening():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

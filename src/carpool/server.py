@@ -78,6 +78,10 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+- ``/dashboard`` is served with a Content-Security-Policy that runs and applies only the page's
+  own inline script and style (their SHA-256, taken at import from the bytes served), loads
+  nothing, connects only to the gateway and may not be framed, with ``nosniff``,
+  ``Cache-Control: no-store`` and ``Referrer-Policy: no-referrer`` (``_DASHBOARD_HEADERS``).
 - In front of the embedded simulated engine (no upstreams configured), ``GET /sim/stats`` is the
   simulated replicas' own counters (``SimReplica.stats()``: ``{"simulated": true, "replicas":
   [...]}``), under the same admin-token rule as ``/stats``; in front of real upstreams it is
@@ -112,10 +116,13 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gc
+import hashlib
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -716,7 +723,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def dashboard(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
-        return HTMLResponse(_DASHBOARD)
+        return HTMLResponse(_DASHBOARD, headers=_DASHBOARD_HEADERS)
 
     async def openapi(_: HttpRequest) -> Response:
         return Response(orjson.dumps(openapi_document()), media_type="application/json")
@@ -937,3 +944,34 @@ PARENT_POLL_S = 1.0
 # The live dashboard: one self-contained page (inline CSS and JS, no external resources) that
 # polls /stats; a package file, read once at import.
 _DASHBOARD = resources.files("carpool").joinpath("dashboard.html").read_text(encoding="utf-8")
+
+
+def _inline_hash(tag: str) -> str:
+    """The CSP source of the page's one inline ``tag`` element (its opening tag at the start of
+    a line: not one named in a comment): the SHA-256 of its text."""
+    (text,) = re.findall(rf"^<{tag}>(.*?)</{tag}>", _DASHBOARD, re.DOTALL | re.MULTILINE)
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+# The page draws what clients named (namespaces, models): should any of it ever reach the page
+# as markup, the browser runs no script and applies no style but the page's own (their hashes,
+# taken from the very bytes served), loads nothing (its icon is a ``data:`` URL), talks only to
+# the gateway (its polls of ``stats``), and no other site may frame it. Behind the admin token,
+# no copy is kept and no Referer leaves it.
+_DASHBOARD_HEADERS = {
+    "content-security-policy": "; ".join(
+        [
+            "default-src 'none'",
+            f"script-src {_inline_hash('script')}",
+            f"style-src {_inline_hash('style')}",
+            "img-src data:",
+            "connect-src 'self'",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    ),
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-store",
+    "referrer-policy": "no-referrer",
+}

@@ -22,7 +22,7 @@ Contract:
   sent one), made for it by the gateway, in place of the client's: an engine names its answer
   after it, and the answer may be served to other clients. It is logged (DEBUG) with the
   client ids it serves (``UpstreamRequest.serves``), for operators to match gateway and engine
-  logs. (``HttpUpstream``; the in-process upstreams are sent no headers.)
+  logs: the clients' own text, so escaped and cut short (``http.logged_ids``). (``HttpUpstream``; the in-process upstreams are sent no headers.)
 - ``passthrough`` forwards any other ``/v1/...`` call unchanged and is never cached. Its
   transport failures are told as ``send``'s are: ``UpstreamUnreachable`` / ``UpstreamTimeout``
   only when nothing can have been acted on (no connection; the routing tries another replica),

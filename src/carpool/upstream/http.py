@@ -80,7 +80,8 @@ Contract (on top of ``upstream.base``):
   names too) and carpool's own controls, and but for a cached endpoint's call's request ids:
   it carries its own (``x-request-id``, and ``request-id`` where the client sent one), a new
   one each call, never the client's (``upstream.base``), logged (DEBUG) with the client ids it
-  serves; each value's bytes as the client sent them
+  serves (``logged_ids``: each cut to 128 characters, the non-printable ones escaped); each
+  value's bytes as the client sent them
   (``http_syntax.value_bytes``: the server read them a byte a character, latin-1; written as
   UTF-8, each byte over 0x7f went as two), on both transports; one holding a control
   character is refused, never sent. aiohttp (pass-through) writes every value as UTF-8: a
@@ -147,6 +148,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextvars
+import json
 import logging
 import select
 import ssl
@@ -255,6 +257,27 @@ _PASSED_KEYS = (*_PASSED, "idempotency-key", "x-idempotency-key")
 # The client's credentials, replaced as a whole when the gateway holds the upstream's (with the
 # tenant's credential headers).
 _CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
+
+
+# The most characters of a client's request id its call's debug line shows (``logged_ids``): a
+# usable ``x-request-id`` has at most 128 (``request_id``); a body's ``request_id`` has no bound.
+LOGGED_ID_CHARS = 128
+
+
+def logged_ids(ids: Sequence[str]) -> str:
+    """Client-chosen request ids as a JSON list for a log line: each cut to ``LOGGED_ID_CHARS``
+    (saying how many more there were) and with every character ``str.isprintable`` refuses
+    escaped, not only those JSON must (NEL, LINE SEPARATOR: line breaks to a log viewer; a
+    RIGHT-TO-LEFT OVERRIDE reorders what follows), readable non-ASCII ones as written."""
+
+    def shown(client_id: str) -> str:
+        text = client_id[:LOGGED_ID_CHARS]
+        if len(client_id) > LOGGED_ID_CHARS:
+            text += f"... ({len(client_id) - LOGGED_ID_CHARS:,} more characters)"
+        quoted = json.dumps(text, ensure_ascii=False)  # (quotes, backslashes, C0 controls)
+        return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in quoted)
+
+    return "[" + ",".join(map(shown, ids)) + "]"
 
 
 def _as_sent(value: str) -> str:
@@ -520,7 +543,7 @@ class HttpUpstream:
             headers["request-id"] = call_id
         headers["x-request-id"] = call_id
         if log.isEnabledFor(logging.DEBUG):
-            serves = orjson.dumps(list(request.serves)).decode()  # (escaped: a client's text)
+            serves = logged_ids(request.serves)  # (a client's text: escaped, cut short)
             log.debug("upstream call %s to %s for request ids %s", call_id, self.name, serves)
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
