@@ -421,22 +421,24 @@ def test_assemble_builds_a_completion_body_with_merged_logprobs():
     }
 
 
-def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
-    body = {
+def chat_answer(choices: list[dict], completion_tokens: int) -> dict:
+    """A whole chat answer of ``choices`` (their message and logprobs; index, finish added)."""
+    return {
         "id": "x",
         "object": "chat.completion",
         "created": 1,
         "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "hi"},
-                "logprobs": None,
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        "choices": [{"index": i, **c, "finish_reason": "stop"} for i, c in enumerate(choices)],
+        "usage": {
+            "prompt_tokens": 1,
+            "completion_tokens": completion_tokens,
+            "total_tokens": 1 + completion_tokens,
+        },
     }
+
+
+def test_synthesize_streams_usage_only_in_a_final_chunk_without_choices():
+    body = chat_answer([{"message": {"role": "assistant", "content": "hi"}, "logprobs": None}], 1)
     chunks = synthesize("chat", body, include_usage=True)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
@@ -457,22 +459,16 @@ def test_the_openai_sdk_stream_helper_reads_a_synthesized_stream_with_logprobs_o
     def logprobs(*tokens: str) -> list[dict]:
         return [{"token": t, "logprob": -1.0, "bytes": None, "top_logprobs": []} for t in tokens]
 
-    body = {
-        "id": "x",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "m",
-        "choices": [
+    body = chat_answer(
+        [
             {
-                "index": i,
                 "message": {"role": "assistant", "content": f"answer {i}"},
                 "logprobs": {"content": logprobs("answer", f" {i}"), "refusal": None},
-                "finish_reason": "stop",
             }
             for i in range(3)
         ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 6, "total_tokens": 7},
-    }
+        6,
+    )
     chunks = synthesize("chat", body, include_usage=True)
     assert assemble("chat", chunks) == body
     state = ChatCompletionStreamState()
