@@ -381,3 +381,98 @@ def test_a_pairs_file_line_is_named_by_its_number_in_the_file_whatever_blank_lin
     (odd,) = load_pairs([pairs], "odd")
     assert (odd.a, odd.where) == (PAIRS[2]["a"], f"{pairs}, line 5")
     assert [p.a for p in load_pairs([pairs], "even")] == [PAIRS[0]["a"], PAIRS[1]["a"]]
+
+
+#: Decided otherwise by a gateway with ``english_only: false`` and ``max_text_chars: 60`` than
+#: by one with the defaults: German compared by meaning, a prompt past 60 characters not at all.
+CONFIGURED_PAIRS = [
+    {
+        "a": "Wie setze ich meinen Router zurück?",
+        "b": "wie setze ich meinen router zurück",
+        "same_answer": True,
+        "category": "german",
+    },
+    {
+        "a": "How do I reset my home wifi router to its factory settings, step by step?",
+        "b": "how do i reset my home wifi router to its factory settings step by step",
+        "same_answer": True,
+        "category": "long",
+    },
+]
+
+
+async def test_eval_semantic_compares_the_prompts_the_configured_gateway_compares(
+    tmp_path, gateway_with, fake
+):
+    # It read the thresholds from the config but made each side's semantic view with the
+    # defaults: English only, up to 16,384 characters. The gateway configured so served the
+    # German repeat and matched the long prompt exactly only; the eval said the opposite.
+    pytest.importorskip("usearch")
+    settings = {"enabled": True, "english_only": False, "max_text_chars": 60}
+    config = tmp_path / "carpool.yaml"
+    config.write_text(json.dumps({"semantic": settings}))  # (JSON is YAML)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in CONFIGURED_PAIRS))
+    decisions = tmp_path / "decisions.jsonl"
+    result = _eval("--config", str(config), "--pairs", str(pairs), "--decisions", str(decisions))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert [(r["decision"], r["reason"]) for r in rows] == [("hit", "served"), ("miss", "scope")]
+
+    async def ask(gw, content: str) -> str:
+        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        response = await gw.client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.headers["x-carpool"]
+
+    async with gateway_with(semantic=settings) as gw:
+        served = []
+        for n, pair in enumerate(CONFIGURED_PAIRS):
+            await ask(gw, pair["a"])
+            # (Read-your-writes: a compared prompt's entry is in the index before its answer.)
+            assert gw.gateway.semantic.entries == 1, n  # the long prompt: never stored
+            served.append(await ask(gw, pair["b"]))
+    assert served == ["semantic-hit", "miss"]
+    assert [r["decision"] == "hit" for r in rows] == [x == "semantic-hit" for x in served]
+
+
+def test_a_decisions_file_the_disk_cannot_take_exits_1_saying_so_not_a_traceback(tmp_path):
+    # Disk full while writing --decisions: a traceback (OSError, errno 28, exit 1), or, the rows
+    # still in the buffer when the file was closed, exit 0 and an empty file.
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "carpool.cli", "eval-semantic"),
+            *("--pairs", str(pairs), "--decisions", "/dev/full"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "carpool: cannot write --decisions /dev/full: " in done.stderr, done.stderr
+
+
+def test_a_developer_prompt_is_no_turn_of_a_conversation(tmp_path):
+    # Only "system" was left out of the turns counted: a developer prompt and one user turn was
+    # reported among the conversations, where the gateway reads it as a system prompt.
+    from carpool.semantic.evaluate import Pair
+
+    def side(role: str, text: str) -> list[dict[str, str]]:
+        return [{"role": role, "content": "Be brief."}, {"role": "user", "content": text}]
+
+    rows = [
+        {"a": side(role, "How do I reset my router?"), "b": side(role, "how do i reset my router")}
+        for role in ("developer", "system")
+    ]
+    assert [Pair(r["a"], r["b"], True, "c").conversation for r in rows] == [False, False]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({**r, "same_answer": True}) + "\n" for r in rows))
+    result = _eval("--pairs", str(pairs))
+    assert result.exit_code == 0, result.output
+    assert "conversations" not in _rows(result.output, "totals"), result.output

@@ -8,9 +8,12 @@ and the ``CARPOOL_*`` variables: ``load_config``), its flags winning: ``semantic
 gateway would load (``semantic.model_dir`` / ``--model-dir``, ``semantic.verifier_dir`` /
 ``--verifier-dir``, ``semantic.embedder_precision``) and, for ``--labeled-judge``,
 ``semantic.judge.verifier_band`` and ``overrules``; the report's first line says the thresholds
-used. It always embeds with the local model (``semantic.embedder: upstream`` is not scored). A
-bad config, a folder without its files, or pairs files with no pair to score, or a
-``--decisions`` file that cannot be written (opened before the run), exit 2 saying which. ``fetch-model`` is the only thing that ever
+used. Which prompts are compared by meaning at all is read from the same config
+(``semantic.english_only``, ``scripts``, ``max_text_chars``, ``fingerprint``), as the gateway
+reads it. It always embeds with the local model (``semantic.embedder: upstream`` is not
+scored). A bad config, a folder without its files, or pairs files with no pair to score, or a
+``--decisions`` file that cannot be opened (before the run), exit 2 saying which; one that
+cannot be written (a full disk) exits 1 saying so. ``fetch-model`` is the only thing that ever
 downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
 download fails or a digest differs: the bytes refused are deleted from the cache, so that the
 next run downloads them afresh).
@@ -151,12 +154,18 @@ def eval_semantic(
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
     # The settings as `carpool serve` would read them (the file, the variables); a flag given
     # wins. Read first: a bad config exits 2 before any model loads.
-    semantic = load_config(config_file, {}).semantic
-    threshold = semantic.threshold if threshold is None else threshold
-    if verifier_threshold is None:
-        verifier_threshold = semantic.verifier_threshold
-    model_dir = semantic.model_dir if model_dir is None else model_dir
-    verifier_dir = semantic.verifier_dir if verifier_dir is None else verifier_dir
+    flags = {
+        "threshold": threshold,
+        "verifier_threshold": verifier_threshold,
+        "model_dir": model_dir,
+        "verifier_dir": verifier_dir,
+    }
+    config = load_config(
+        config_file, {"semantic": {k: v for k, v in flags.items() if v is not None}}
+    )
+    semantic = config.semantic
+    threshold, verifier_threshold = semantic.threshold, semantic.verifier_threshold
+    model_dir, verifier_dir = semantic.model_dir, semantic.verifier_dir
     if judge_verifier_band is None:
         judge_verifier_band = semantic.judge.verifier_band
     if judge_overrules is None:
@@ -190,7 +199,10 @@ def eval_semantic(
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
     try:
-        evaluator = Evaluator(pairs, embedder, guard)
+        # The whole config, not the semantic section's thresholds only: which prompts get a
+        # semantic view at all (english_only, scripts, max_text_chars, the fingerprint's
+        # whitespace rule) is decided as the gateway decides it.
+        evaluator = Evaluator(pairs, embedder, guard, config)
     except ValueError as error:  # a side that is no chat request the gateway takes
         raise click.BadParameter(str(error), param_hint="--pairs") from None
     # The same judge decides the report, the sweep and the decisions written.
@@ -210,7 +222,15 @@ def eval_semantic(
                 f"{percent(row['hit_rate']):>9}{percent(row['wrong_rate']):>8}"
             )
     if decisions is not None:
-        write_decisions(evaluator, threshold, decisions, None, judge)
+        # Written after the report: a disk that fills up here (or at the flush, the rows still
+        # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.
+        try:
+            write_decisions(evaluator, threshold, decisions, None, judge)
+            decisions.flush()
+            decisions.close()
+        except OSError as error:
+            click.echo(f"carpool: cannot write --decisions {decisions.name}: {error}", err=True)
+            sys.exit(1)
 
 
 @click.command("fetch-model")

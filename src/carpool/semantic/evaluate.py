@@ -10,21 +10,23 @@ Contract:
   number in the file, blank lines counted), each row as the gateway reads a body (orjson: a
   lone surrogate is not JSON).
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
-  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` and
-  ``cache.focus``; a different scope (system prompt, earlier turns, a long head) is a miss;
-  otherwise the cosine similarity of the last user turns (their tails) must reach the threshold
-  and the pair must pass the guard (``Guard.judge_now(new=b, [cached=a])``: the exact rules,
-  then the verifier on the turns and, for conversations, on their earlier turns).
+  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` (with the
+  gateway's config: ``semantic.english_only``, ``scripts`` and ``max_text_chars`` decide which
+  sides have a view at all) and ``cache.focus``; a different scope (system prompt, earlier
+  turns, a long head) is a miss; otherwise the cosine similarity of the last user turns (their
+  tails) must reach the threshold and the pair must pass the guard (``Guard.judge_now(new=b,
+  [cached=a])``: the exact rules, then the verifier on the turns and, for conversations, on
+  their earlier turns).
 - ``half``: ``even`` (the development half: pairs 0, 2, 4... of each file, in its order, blank
   lines not counted) or ``odd`` (the held-out half), or every pair (None): rules and settings are
   tuned on one half and reported on the other.
 - Output: per category, and in totals kept apart from the categories (a category may be named
   ``all``), for conversations (pairs where either side has more than one turn besides a system
-  prompt) and overall, the share of should-hit pairs served ("hit rate") and of should-miss
-  pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair; ``--sweep`` prints
-  both rates over a range of similarity thresholds and verifier thresholds (the guard
-  included), which is how the defaults were calibrated. A :class:`LabeledJudge` decides the
-  same pairs in the report, the decisions and the sweep.
+  or developer prompt) and overall, the share of should-hit pairs served ("hit rate") and of
+  should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
+  ``--sweep`` prints both rates over a range of similarity thresholds and verifier thresholds
+  (the guard included), which is how the defaults were calibrated. A :class:`LabeledJudge`
+  decides the same pairs in the report, the decisions and the sweep.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import orjson
 
 from ..config import Config
 from ..errors import RequestError
-from ..fingerprint import SemanticView, fingerprint, semantic_view
+from ..fingerprint import INSTRUCTION_ROLES, SemanticView, fingerprint, semantic_view
 from ..jsonl import numbered_lines
 from ..request import ClientRequest, parse
 from .cache import focus
@@ -60,7 +62,11 @@ class Pair:
     def conversation(self) -> bool:
         return any(
             isinstance(side, list)
-            and sum(1 for m in side if isinstance(m, dict) and m.get("role") != "system") > 1
+            # A developer prompt is an instruction, as the gateway reads it: no turn.
+            and sum(
+                1 for m in side if isinstance(m, dict) and m.get("role") not in INSTRUCTION_ROLES
+            )
+            > 1
             for side in (self.a, self.b)
         )
 
