@@ -423,6 +423,35 @@ def test_a_verifier_file_that_does_not_match_its_digest_is_refused(tmp_path):
         CrossEncoder(tmp_path / "absent")
 
 
+def test_a_verifier_whose_weights_lie_outside_its_checked_file_is_refused(tmp_path, monkeypatch):
+    # ONNX external data: the weights in another file, which the digests do not cover and ONNX
+    # Runtime (given the model's bytes) looks for in the working directory, not the folder.
+    import hashlib
+    import json
+
+    import onnx
+
+    from carpool.semantic.verifier import PACKAGED, VerifierFileError
+
+    (tmp_path / "tokenizer.json").write_bytes((PACKAGED / "tokenizer.json").read_bytes())
+    model = onnx.load_model_from_string((PACKAGED / "model.onnx").read_bytes())
+    onnx.save_model(
+        model,
+        str(tmp_path / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=1024,
+    )
+    meta = json.loads((PACKAGED / "verifier.json").read_text())
+    digest = hashlib.sha256((tmp_path / "model.onnx").read_bytes()).hexdigest()
+    meta["sha256"]["model.onnx"] = digest
+    (tmp_path / "verifier.json").write_text(json.dumps(meta))
+    monkeypatch.chdir(tmp_path)  # (where ONNX Runtime would find weights.bin)
+    with pytest.raises(VerifierFileError, match="external data"):
+        CrossEncoder(tmp_path)
+
+
 def test_a_verifier_whose_max_length_is_more_than_its_model_reads_is_refused_at_load(tmp_path):
     # It loaded, and the first pair longer than the model's 512 positions raised inside a lookup.
     import json

@@ -12,7 +12,8 @@ Contract
   ONNX Runtime on one worker thread of its own, so the event loop never waits on it. It loads a
   folder holding ``model.onnx``, ``tokenizer.json`` and ``verifier.json`` (``threshold``,
   ``max_length``, the SHA-256 of both files, checked at load: a file that does not match, a
-  setting missing or out of range, a model that does not load is a :class:`VerifierFileError`
+  setting missing or out of range, a model that does not load, or one whose weights are ONNX
+  external data (another file, not covered by the digests), is a :class:`VerifierFileError`
   naming the folder). The default folder is the one packaged with carpool (:data:`PACKAGED`), made by
   ``scripts/train_verifier.py`` (its docstring: base model, data, how the threshold was picked).
   Its int8 products are computed exactly on every CPU (:mod:`carpool.semantic.embed.exact_int8`:
@@ -49,8 +50,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -151,6 +153,13 @@ class CrossEncoder:
         options.intra_op_num_threads = threads or default_threads()
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if _external_data(files["model.onnx"]):
+            # Weights in another file: not covered by the digests, and ONNX Runtime, given the
+            # model's bytes, would look for them in the working directory.
+            raise VerifierFileError(
+                f"{folder / 'model.onnx'}: its weights are ONNX external data (another file); "
+                "a verifier's model must hold them itself"
+            )
         try:
             self._session = ort.InferenceSession(
                 _loadable(files["model.onnx"]), options, providers=["CPUExecutionProvider"]
@@ -245,6 +254,36 @@ def shared_cross_encoder(directory: str | None = None) -> CrossEncoder:
     """One :class:`CrossEncoder` per folder for the process (loading it takes ~0.3 s and ~30 MB;
     every gateway and cache in the process may share it: the threshold is the guard's)."""
     return CrossEncoder(directory)
+
+
+def _external_data(model: bytes) -> bool:
+    """Whether any tensor of ``model`` (initializers, constants, subgraphs' and functions') is
+    stored in another file (ONNX external data); False for bytes that are no model (the
+    session's load says why)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        proto = onnx.load_model_from_string(model)
+    except DecodeError:
+        return False
+
+    def tensors(nodes: Any, graph: Any = None) -> Iterator[Any]:
+        if graph is not None:
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield from (sparse.values, sparse.indices)
+        for node in nodes:
+            for attribute in node.attribute:
+                yield attribute.t
+                yield from attribute.tensors
+                for sub in (attribute.g, *attribute.graphs):
+                    yield from tensors(sub.node, sub)
+
+    every = itertools.chain(
+        tensors(proto.graph.node, proto.graph), *(tensors(f.node) for f in proto.functions)
+    )
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in every)
 
 
 def _loadable(model: bytes) -> bytes:
