@@ -36,6 +36,7 @@ import hashlib
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from tokenizers import Tokenizer
 from transformers import BertConfig, BertForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from carpool.semantic.embed import find_model_dir  # noqa: E402
+from carpool.semantic.embed import MODEL_SHA256, find_model_dir  # noqa: E402
 from carpool.semantic.verifier import MAX_LENGTH, ordered, render_context  # noqa: E402
 
 CALIBRATION_EVERY = 10
@@ -334,6 +335,18 @@ def trap_pairs(rng: random.Random) -> list[tuple[str, str, bool]]:
     return out
 
 
+def checked_base(found: Path, into: Path) -> Path:
+    """The base model's files (``found``: the cache's snapshot) copied into ``into`` once their
+    SHA-256 matches ``MODEL_SHA256``: what is trained on is the bytes that were checked (a file
+    of the cache replaced after the check is never read again); a mismatch exits."""
+    for name, expected in MODEL_SHA256.items():
+        data = (found / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != expected:
+            sys.exit(f"{found / name} is not the pinned base model's file (SHA-256 mismatch)")
+        (into / name).write_bytes(data)
+    return into
+
+
 def build_model(model_dir: Path) -> BertForSequenceClassification:
     config = BertConfig(
         vocab_size=30522,
@@ -515,7 +528,7 @@ def main() -> None:
     rng = random.Random(SEED)
     torch.manual_seed(SEED)
     torch.set_num_threads(2)
-    model_dir = find_model_dir()
+    model_dir = checked_base(find_model_dir(), Path(tempfile.mkdtemp(prefix="carpool-base-")))
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length=MAX_LENGTH)
