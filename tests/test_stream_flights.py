@@ -264,6 +264,39 @@ async def test_a_usage_chunk_read_with_the_last_frames_is_still_left_out_for_cli
     assert b'"usage"' not in without and with_usage == without + broadcast.frames[3]
 
 
+async def test_a_stream_with_a_usage_chunk_mid_way_is_served_but_never_stored():
+    """Clients not asking for usage are kept from one usage-only chunk (the last one read): a
+    stream with another mid-way (no engine asked sends one) would replay it to their hits,
+    stale, where an SDK reading ``choices[0]`` fails. Not stored: when unsure, not shared."""
+    from carpool.broadcast import Broadcast
+    from carpool.exchange import _consume
+
+    def usage(completion_tokens: int) -> bytes:
+        return orjson.dumps(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 1,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": 1 + completion_tokens,
+                },
+            }
+        )
+
+    for reads in (
+        ([chunk("a"), usage(1)], [chunk("b"), chunk("", "stop"), usage(2)]),
+        ([chunk("a"), usage(1), chunk("b"), chunk("", "stop"), usage(2)],),
+    ):
+        answer = await _consume("chat", Reads(*reads), Broadcast(), body("x", stream=True))
+        assert not answer.complete, reads
+    once = Reads([chunk("a")], [chunk("b"), chunk("", "stop"), usage(2)])
+    assert (await _consume("chat", once, Broadcast(), body("x", stream=True))).complete
+
+
 async def test_a_flight_streams_last_piece_ends_the_asgi_body_in_the_same_message():
     """Through the ASGI path too, the last piece of a flight's stream (``exchange.Relay``)
     carries the body's end (``more_body`` false): no empty message after it."""

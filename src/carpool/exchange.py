@@ -473,44 +473,49 @@ async def _consume(
     every choice in it, or it raises too (one with fewer choices than ``asked``, the request
     body sent, asked for is the upstream's own answer: served, not stored); a typed
     stream that ended without completing (Responses ``incomplete``/``failed``, a message with no
-    ``stop_reason``) is the upstream's own answer, served as it came and not stored. A raise
+    ``stop_reason``) is the upstream's own answer, served as it came and not stored; so is a
+    chat or completions stream with more than one usage-only chunk. A raise
     fails the flight: every client gets an error (streaming ones an SSE error event) and
     nothing is stored.
     """
     api = api_of(kind)
     collector = api.collector()
     first = True
+    usages = 0
     async for payloads in response.events():
         if first:
             # The first frame goes out at once, not after the frames that came in the same
             # read: a turn of the loop for its clients (the time to their first byte).
             first = False
-            _publish(api, payloads[:1], collector, broadcast)
+            usages += _publish(api, payloads[:1], collector, broadcast)
             await asyncio.sleep(0)
             payloads = payloads[1:]
-        _publish(api, payloads, collector, broadcast)
+        usages += _publish(api, payloads, collector, broadcast)
     body, complete = collector.judge(asked)
     return Answer(
         kind,
         orjson.dumps(body),
-        complete,
+        # Clients not asking for usage are kept from one usage-only chunk, the last: with
+        # another mid-way (no engine asked sends one), their hits would replay it, stale.
+        complete and usages <= 1,
         api.usage_tokens(body),
         frames=broadcast.frames,
         usage_frame=broadcast.usage_frame,
     )
 
 
-def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: Broadcast) -> None:
+def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: Broadcast) -> int:
     """Payloads that came together, judged into ``collector`` and framed into ``broadcast`` at
-    once; a payload that is not a JSON object, is the engine's error, or is a chunk the
-    assembly cannot read (``chunks.MALFORMED_CHUNK``: ``tool_calls: 5``...), raises
-    ``UpstreamStreamBroken`` once the frames before it are published."""
+    once: how many were usage-only chunks. A payload that is not a JSON object, is the engine's
+    error, or is a chunk the assembly cannot read (``chunks.MALFORMED_CHUNK``: ``tool_calls:
+    5``...), raises ``UpstreamStreamBroken`` once the frames before it are published."""
     if not payloads:
-        return
+        return 0
     failure, frame, usage_only = api.failure, api.frame, api.usage_only
     add, add_texts = collector.add, collector.add_texts
     frames: list[bytes] = []
     usage = None
+    usages = 0
     at, end = 0, len(payloads)
     try:
         while at < end:
@@ -547,10 +552,12 @@ def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: B
                 raise UpstreamStreamBroken("the upstream sent a malformed stream chunk") from None
             if usage_only(chunk):
                 usage = len(frames)
+                usages += 1
             frames.append(frame(payload, chunk))
     finally:
         if frames:
             broadcast.publish_many(frames, usage)
+    return usages
 
 
 def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
