@@ -129,6 +129,31 @@ async def test_stats_and_metrics_show_the_repeat_memos_entries_and_bytes_within_
         assert samples(text, "carpool_repeat_memo_bytes")[""] == memo["bytes"]
 
 
+async def test_a_2xx_that_is_no_answer_is_counted_an_upstream_error():
+    """An upstream behind a maintenance page (200, HTML) or answering a JSON array: each call is
+    a 502 to its client, and a failed attempt in ``upstream_errors`` as a 5xx would be."""
+    from fakes.raw_upstream import answer, raw_upstream
+
+    bodies = [(b"<html>down for maintenance</html>", b"text/html"), (b"[1, 2, 3]", None)]
+
+    def respond(call) -> bytes:
+        body, content_type = bodies[len(up.calls) % 2]
+        return answer(200, b"OK", body, content_type or b"application/json")
+
+    async with raw_upstream(respond) as up, run_gateway([up.url]) as gw:
+        for i in range(4):
+            asked = {
+                "model": "m",
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"q{i}"}],
+            }
+            response = await gw.client.post("/v1/chat/completions", json=asked)
+            assert response.status_code == 502, response.text
+        stats = (await gw.client.get("/stats")).json()
+    assert stats["upstream_calls"] == len(up.calls) == 4
+    assert stats["upstream_errors"] == 4
+
+
 async def exact_figures(served: Served) -> list[tuple[float, float]]:
     """The exact cache's (entries, bytes) as ``/stats`` and then ``/metrics`` report them."""
     exact = (await served.client.get("/stats")).json()["layers"]["exact"]

@@ -296,7 +296,14 @@ class Exchange:
             if response.streaming:
                 answer = await _consume(request.kind, response, broadcast, body)
             else:
-                answer = _complete(request.kind, response.body, body)
+                try:
+                    answer = _complete(request.kind, response.body, body)
+                except UpstreamError:
+                    # A 2xx that is no answer (a maintenance page, a JSON array): the attempt
+                    # was counted by its status, the call failed all the same (as below).
+                    if said is None:
+                        self.layers.stats.upstream_errors += 1
+                    raise
         except LeaderLost:
             if owner is None or broadcast.frames:
                 raise  # (frames sent cannot be taken back: ``Gateway._follow`` takes it over)
