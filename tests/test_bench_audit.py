@@ -116,6 +116,10 @@ def free(tmp_path_factory) -> tuple[Path, dict]:
     return out, audit_run(out)
 
 
+# (The replay takes ~70 s on two cores alone, longer beside other tests: ``pytest -n``; both
+# tests on one worker, which makes it once.)
+@pytest.mark.timeout(360)
+@pytest.mark.xdist_group("audit_run")
 def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_true_rate(free):
     out, report = free
     audit = report["audit"]
@@ -143,6 +147,8 @@ def test_the_audit_workload_audits_every_hit_and_its_interval_holds_the_true_rat
     assert "## Audits against the truth" in markdown and "it holds the true rate" in markdown
 
 
+@pytest.mark.timeout(360)
+@pytest.mark.xdist_group("audit_run")
 def test_with_a_budget_below_the_true_rate_the_namespace_backs_off_and_wrong_hits_stop(
     free, tmp_path
 ):

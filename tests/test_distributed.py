@@ -15,7 +15,7 @@ import pytest
 
 from conftest import redis_keys, redis_settings, run_gateway
 from fakes.instances import free_port, instances, serve_env, start_serve
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 pytest.importorskip("redis")
 
@@ -393,7 +393,7 @@ async def test_redis_killed_requests_still_succeed_and_health_says_degraded(fake
         assert (await a.chat("shared again")).headers["x-carpool"] == "hit"
 
 
-async def until_redis_is_back(served, timeout: float = 5.0) -> None:
+async def until_redis_is_back(served, timeout: float = WAIT_S) -> None:
     """Requests probe Redis again once per retry_interval; the first success ends degraded mode."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

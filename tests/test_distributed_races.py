@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_gateway
 from fakes.latency_proxy import LinkProxy
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 from test_distributed import gateways, shared_flights_on
 
 pytest.importorskip("redis")
@@ -21,7 +21,9 @@ pytest.importorskip("redis")
 ADMIN = {"Authorization": "Bearer t"}
 
 
-async def until(condition: Callable[[], Awaitable[bool]], what: str, timeout: float = 5.0) -> None:
+async def until(
+    condition: Callable[[], Awaitable[bool]], what: str, timeout: float = WAIT_S
+) -> None:
     """``eventually`` for a condition read from Redis."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -28,8 +29,10 @@ def test_every_relative_link_resolves() -> None:
 
 
 def test_the_checker_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
-    page = ROOT / "docs" / "_probe_for_the_link_checker.md"
-    page.write_text("# Probe\n\n[a](nope.md) [b](design.md#no-such-heading) [c](#probe)\n")
+    # Beside tests/, not in docs/: the checker run concurrently (pytest -n) scans docs/ and would
+    # take this probe's broken links for the docs' own.
+    page = ROOT / "tests" / f"_probe_for_the_link_checker_{os.getpid()}.md"
+    page.write_text("# Probe\n\n[a](nope.md) [b](../docs/design.md#no-such-heading) [c](#probe)\n")
     try:
         problems = check_links.broken(page)
     finally:

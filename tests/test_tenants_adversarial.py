@@ -277,6 +277,12 @@ async def test_tenants_on_two_instances_sharing_valkey_never_share_answers_or_re
         for (i, _), response in zip(calls, responses, strict=True):
             assert_own(response, i)
         assert fake.count() == TENANTS
+        # Each flight runs until its answer is stored in Valkey, after its clients have it: a
+        # request before then joins it (``coalesced``), as it should.
+        await eventually(
+            lambda: not a.gateway.flights.running() and not b.gateway.flights.running(),
+            what="every answer stored",
+        )
         for i in range(TENANTS):  # from the shared exact cache, on either side
             for side in (a, b):
                 again = await side.chat(PROMPTS[0], headers=bearer(i))

@@ -226,6 +226,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fakes.waiting import WAIT_S
+
 __all__ = ["ANTHROPIC_FAIL_BODY", "Call", "FakeUpstream", "DEFAULT_FAIL_BODY", "CREATED"]
 
 CREATED = 1_700_000_000  # fixed "created" timestamp: answers are fully deterministic
@@ -441,7 +443,7 @@ class FakeUpstream:
         changed.set()
 
     async def wait_until(
-        self, predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+        self, predicate: Callable[[], bool], timeout: float = WAIT_S, what: str = "condition"
     ) -> None:
         """Return once ``predicate()`` is true (re-checked at each state change of the fake).
 
@@ -461,16 +463,16 @@ class FakeUpstream:
                 f"cancelled={self.cancelled}, completed={self.completed})"
             ) from None
 
-    async def wait_for_calls(self, n: int, timeout: float = 5.0) -> list[Call]:
+    async def wait_for_calls(self, n: int, timeout: float = WAIT_S) -> list[Call]:
         """Return (the first ``n`` calls) once at least ``n`` calls have been recorded."""
         await self.wait_until(lambda: len(self.calls) >= n, timeout, f"{n} call(s)")
         return self.calls[:n]
 
-    async def wait_for_cancelled(self, n: int = 1, timeout: float = 5.0) -> None:
+    async def wait_for_cancelled(self, n: int = 1, timeout: float = WAIT_S) -> None:
         """Return once at least ``n`` requests have been cancelled by their clients."""
         await self.wait_until(lambda: self.cancelled >= n, timeout, f"{n} cancellation(s)")
 
-    async def wait_idle(self, timeout: float = 5.0) -> None:
+    async def wait_idle(self, timeout: float = WAIT_S) -> None:
         """Return once no request is in flight."""
         await self.wait_until(lambda: self.in_flight == 0, timeout, "no request in flight")
 

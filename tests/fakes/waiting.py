@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+# How long a wait for what the code under test will do may take before the test fails: a bound,
+# not a delay (each wait returns as soon as its condition holds). Generous, as on two loaded
+# cores (``pytest -n``) 200 concurrent requests took more than 5 s to reach the fake upstream.
+WAIT_S = 30.0
+
 
 async def eventually(
     condition: Callable[[], bool],
-    timeout: float = 5.0,
+    timeout: float = WAIT_S,
     what: str = "condition",
     state: Callable[[], object] | None = None,
 ) -> None:
