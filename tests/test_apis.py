@@ -691,6 +691,17 @@ async def test_an_answer_deleted_while_in_flight_is_not_stored(gw, fake):
     assert (await gw.chat("Another question", headers=bearer_of("a"))).headers["x-carpool"] == "hit"
 
 
+async def sent_after_the_delete(gw, fake, body: dict, calls: int) -> asyncio.Task:
+    """``body`` posted again after its DELETE answered, once the gateway has it: on the running
+    flight (a waiter), or upstream as call number ``calls``."""
+    late = asyncio.create_task(gw.client.post(RESPONSES, json=body))
+    await eventually(
+        lambda: gw.gateway.flights.waiters == 2 or fake.count(RESPONSES) == calls,
+        what="the request sent after the DELETE",
+    )
+    return late
+
+
 async def test_no_request_after_a_delete_joins_a_running_follow_up_of_it(gw, fake):
     # A follow-up of a response is running upstream when the response is deleted: an identical
     # follow-up sent after the DELETE was coalesced onto it (the flight's key was indexed under
@@ -702,11 +713,7 @@ async def test_no_request_after_a_delete_joins_a_running_follow_up_of_it(gw, fak
     leading = asyncio.create_task(stream(gw, RESPONSES, follow))
     await fake.chunk_gate_reached.wait()  # (the upstream took the follow-up: it streams)
     assert (await gw.client.delete(f"{RESPONSES}/{made}")).status_code == 200
-    late = asyncio.create_task(gw.client.post(RESPONSES, json=follow))
-    await eventually(
-        lambda: gw.gateway.flights.waiters == 2 or fake.count(RESPONSES) == 3,
-        what="the request sent after the DELETE",
-    )
+    late = await sent_after_the_delete(gw, fake, follow, calls=3)
     fake.chunk_gate.set()
     response, _ = await leading
     assert response.status_code == 200  # (the call running then goes on for its clients)
@@ -725,11 +732,7 @@ async def test_no_request_after_a_delete_joins_the_streaming_call_that_made_it(g
     await fake.chunk_gate_reached.wait()
     (made,) = fake.kept  # (response.created, naming it, is out to the client)
     assert (await gw.client.delete(f"{RESPONSES}/{made}")).status_code == 200
-    late = asyncio.create_task(gw.client.post(RESPONSES, json=asked))
-    await eventually(
-        lambda: gw.gateway.flights.waiters == 2 or fake.count(RESPONSES) == 2,
-        what="the request sent after the DELETE",
-    )
+    late = await sent_after_the_delete(gw, fake, asked, calls=2)
     fake.chunk_gate.set()
     await leading
     again = await late

@@ -38,6 +38,8 @@ from conftest import Served, run_gateway
 
 REQUIRE = os.environ.get("REQUIRE_ENGINE", "") not in ("", "0")
 MODEL = "smollm2"
+# Every test here on one worker (pytest -n ... --dist loadgroup): one engine, started once.
+pytestmark = pytest.mark.xdist_group("llama_cpp_engine")
 MAX_TOKENS = 24
 VOLATILE = {"id", "created", "system_fingerprint"}
 
@@ -98,8 +100,10 @@ def engine() -> Iterator[str]:
             "2048",
             "--embedding",
             "true",
+            # One thread: the tests run on every core (pytest -n), and ggml's threads wait by
+            # spinning, so two of them beside another worker's test took ten times as long.
             "--n_threads",
-            "2",
+            "1",
             "--verbose",
             "false",
         ],
