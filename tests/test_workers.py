@@ -65,6 +65,7 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
     """Killed (SIGKILL, the OOM killer), the parent cannot stop its workers: they served the
     port on, orphans, and the next `carpool serve` on it found it in use. Each stops itself."""
     import os
+    import shutil
     import signal
     import tempfile
     from pathlib import Path
@@ -73,11 +74,14 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
 
     port = free_port()
     log = tmp_path / "workers.log"
-    # What the killed parent left for its workers, which they remove as they stop.
-    temporary = Path(tempfile.gettempdir())
-    left_before = {*temporary.glob("carpool-peers-*"), *temporary.glob("carpool-config-*")}
+    # What the killed parent left for its workers, which they remove as they stop: in a
+    # temporary folder of this run's own (other tests' runs write theirs meanwhile, pytest -n),
+    # short enough for the workers' Unix sockets to be made in it too.
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
     proc = start_serve(
-        ["--upstream", fake.url, "--port", str(port), "--workers", "2"], serve_env(), log
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
+        {**serve_env(), "TMPDIR": str(temporary)},
+        log,
     )
     workers: set[int] = set()
     try:
@@ -90,6 +94,8 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
             if len(workers) == 2:
                 break
         assert len(workers) == 2
+        # (Made there: what is looked for below is what the run leaves.)
+        assert {path.name.split("-")[1] for path in temporary.iterdir()} == {"peers", "config"}
         proc.kill()
         proc.wait(10)
         await eventually(
@@ -98,13 +104,14 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
             what="the orphaned workers to stop",
         )
         left = {*temporary.glob("carpool-peers-*"), *temporary.glob("carpool-config-*")}
-        assert left <= left_before  # (the config holds the run's keys)
+        assert left == set()  # (the config holds the run's keys)
     finally:
         for pid in workers:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 async def test_every_config_check_config_accepts_is_served_by_its_workers(fake, tmp_path):
