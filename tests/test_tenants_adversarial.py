@@ -233,8 +233,9 @@ async def test_idempotency_keys_stay_scoped_by_tenant_even_in_a_shared_namespace
 
 @contextlib.asynccontextmanager
 async def two_instances(fake, redis_server, **config):
-    # (Valkey is never stopped here: its timeouts generous, as a call on loaded cores, pytest -n,
-    # took over 2 s, and the instance served that request from its own memory.)
+    # (Timeouts generous: a call on loaded cores, pytest -n, took over 2 s, and the instance
+    # served that request from its own memory. Where Valkey is killed, connections are refused
+    # at once.)
     shared = {
         **redis_settings(redis_server, retry_interval=0.05, timeout=10.0, connect_timeout=10.0),
         "admin_token": ADMIN,
