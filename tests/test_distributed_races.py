@@ -227,6 +227,64 @@ async def test_frames_whose_publishing_failed_are_published_again(redis_server: 
         assert flights.counts["frames_published"] == 2
 
 
+@pytest.mark.parametrize("window_ms", [0, 1000])
+async def test_a_leader_cancelled_after_its_call_returned_still_ends_its_flight(
+    redis_server: Any, window_ms: int
+) -> None:
+    """The gateway's close cancels a leader whose call has returned while its answer is being
+    stored: its follower on another instance gets the answer at once, and the leader renews
+    the lock no more. (Before, only the call itself ended the flight when cancelled: the
+    publisher renewed the lock for as long as the process ran, even past ``aclose``, the
+    follower waiting on it.)"""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+    from carpool.redis.flight_protocol import flight_keys
+
+    frame = b"data: 1\n\n"
+    # (A lease far longer than the test: only the end the leader publishes ends the wait.)
+    distributed = {"lease_ms": 600_000}
+    async with (
+        shared_flights_on(redis_server, distributed, window_ms=window_ms) as a,
+        shared_flights_on(redis_server, distributed, window_ms=window_ms) as b,
+    ):
+        followed, storing = asyncio.Event(), asyncio.Event()
+
+        async def call(broadcast: Broadcast) -> Answer:
+            broadcast.publish(frame)
+            await followed.wait()
+            return Answer("chat", b"{}", True, frames=[frame])
+
+        async def keep_slowly(_: Answer) -> str:
+            storing.set()
+            await asyncio.Event().wait()  # (a store on its way: never done here)
+            return ""
+
+        async def never_called(_: Broadcast) -> Answer:
+            raise AssertionError("B ran the call: it should follow A's")
+
+        async def keep(_: Answer) -> str:
+            return ""
+
+        leader = asyncio.create_task(a.run("k", Broadcast(), call, keep_slowly))
+        await eventually(lambda: a.leading == 1, what="A leading the call")
+        follower = asyncio.create_task(b.run("k", Broadcast(), never_called, keep))
+        await eventually(lambda: b.counts["followed"] == 1, what="B following A's call")
+        followed.set()
+        await storing.wait()
+        leader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+        answer = await asyncio.wait_for(follower, WAIT_S)
+        assert answer.body == b"{}" and answer.frames == [frame]
+        lock, _ = flight_keys(a.prefix, "k")
+
+        async def lock_released() -> bool:
+            return not await a._client.exists(lock)
+
+        await until(lock_released, "A's lock released")
+        await eventually(lambda: not a._publishers, what="A publishing no more")
+
+
 # ---------------------------------------------------------------- after an invalidation
 
 

@@ -17,10 +17,12 @@ from carpool.redis.connection import (  # noqa: E402
     stop_reader,
     unavailable,
 )
+from carpool.redis.idempotency import RedisIdempotencyRecords  # noqa: E402
 from carpool.redis.store import RedisStore  # noqa: E402
 from carpool.store.base import StoreUnavailable  # noqa: E402
 from carpool.store.memory import MemoryStore  # noqa: E402
 from carpool.store.shared import SharedStore  # noqa: E402
+from fakes.waiting import WAIT_S  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "carpool"
 
@@ -72,6 +74,98 @@ async def test_stop_reader_cancels_again_a_task_that_swallowed_its_cancellation(
     await asyncio.wait_for(stop_reader(task), 10)
     assert swallowed.is_set() and task.cancelled()
     await stop_reader(None)  # (no reader: nothing to do)
+
+
+def test_a_cancellation_the_client_library_swallowed_is_raised_once_its_call_ends():
+    async def call(cancel_inside: bool, then_fail: bool = False) -> str:
+        with unavailable("get"):
+            if cancel_inside:
+                # What redis-py's send does on Python 3.11 (asyncio.wait_for, gh-86296): the
+                # cancellation arrives as the write completes, and the write's result wins.
+                asyncio.current_task().cancel()  # type: ignore[union-attr]
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0)
+            if then_fail:  # (the same command's read: Redis stalled, the socket timed out)
+                raise OSError("timed out")
+            return "reply"
+
+    async def already_cancelled() -> str:
+        # A cancellation its task had caught before the call (cleanup on the way out) is not
+        # raised again by a call made while it cleans up.
+        asyncio.current_task().cancel()  # type: ignore[union-attr]
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0)
+        return await call(False)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(call(True))
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(call(True, then_fail=True))  # (not StoreUnavailable: Redis may be fine)
+    with pytest.raises(StoreUnavailable):
+        asyncio.run(call(False, then_fail=True))
+    assert asyncio.run(call(False)) == "reply"
+    assert asyncio.run(already_cancelled()) == "reply"
+
+
+@pytest.mark.parametrize("backend", ["store", "idempotency"])
+async def test_a_redis_call_cancelled_at_any_step_ends_cancelled(redis_server, backend):
+    # A cancellation at every step of a real call: each one that came before the reply ends
+    # the call cancelled. (Python 3.11's asyncio.wait_for, in redis-py's send, returned the
+    # send's result instead for the cancellation that came with it: an idempotency record's
+    # lease keeper cancelled there renewed on, and with Redis stopped, never ended.)
+    if backend == "store":
+        store = RedisStore(redis_server.url)
+        call, close = (lambda: store.get("k")), store.aclose
+    else:
+        records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=60)
+        token = (await records.begin("k", "fp")).token
+        assert token is not None
+        call, close = (lambda: records.renew("k", token)), records.aclose
+    try:
+        await call()  # (connected: the steps swept are the call's own)
+        cancelled_at = []
+        for steps in range(40):
+            task = asyncio.get_running_loop().create_task(call())
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if task.done():
+                break  # (every step was swept: the call had its reply)
+            task.cancel()
+            await asyncio.wait({task}, timeout=WAIT_S)
+            if not task.cancelled():
+                cancelled_at.append((steps, task.result()))
+        else:
+            pytest.fail("the call did not end within 40 steps")
+        assert cancelled_at == [], "cancelled, yet these calls returned (step, reply)"
+        assert steps > 1  # (a sweep, not a call that ended at once)
+    finally:
+        await close()
+
+
+async def test_a_redis_call_cancelled_at_any_step_ends_cancelled_when_its_read_then_fails(
+    redis_server,
+):
+    # Redis stalled (CLIENT PAUSE): every call's read times out. One whose send took the
+    # cancellation (as above) then failed as Redis failing: an idempotency record's lease
+    # keeper took it for an outage and renewed on, its record held past its request's end.
+    store = RedisStore(redis_server.url, socket_timeout=0.1)
+    admin = connect(redis_server.url)
+    try:
+        await store.get("k")  # (connected: the steps swept are the call's own)
+        await admin.execute_command("CLIENT", "PAUSE", 60_000, "ALL")
+        ended = []
+        for steps in range(12):
+            task = asyncio.get_running_loop().create_task(store.get("k"))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            assert not task.done()  # (Redis is paused: no call ends by itself here)
+            task.cancel()
+            await asyncio.wait({task}, timeout=WAIT_S)
+            ended.append("cancelled" if task.cancelled() else repr(task.exception()))
+        assert ended == ["cancelled"] * 12
+    finally:
+        await store.aclose()
+        await admin.aclose()
 
 
 async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_failing(redis_server):

@@ -77,10 +77,13 @@ class _Client(_Side):
     def __init__(self, upstream_port: int) -> None:
         super().__init__()
         self.upstream_port = upstream_port
+        self.opening: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        asyncio.get_running_loop().create_task(self._open())
+        # (Held here: the loop keeps only a weak reference to a task, which may otherwise be
+        # collected before its connection is made.)
+        self.opening = asyncio.get_running_loop().create_task(self._open())
 
     async def _open(self) -> None:
         assert self.transport is not None

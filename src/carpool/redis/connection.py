@@ -23,7 +23,11 @@ Contract
   carpool writes there (``WRONGTYPE``: something else wrote it) is :class:`WrongType`, a
   third: Redis answered; the layer that reads the key treats it as a value it cannot read
   (``store``: a miss, the key dropped; ``idempotency``: a response not kept), never as an
-  outage. A layer that does not handle it takes it as any failure.
+  outage. A layer that does not handle it takes it as any failure. A call whose task was
+  cancelled during it ends cancelled, even where the client library then returned its reply
+  or failed (redis-py's send uses ``asyncio.wait_for``, which on Python 3.11 returns a result
+  that came with the cancellation, gh-86296: a lease keeper cancelled there renewed on and,
+  with Redis stopped, never ended).
 - Every Lua script declares its flags (a ``#!lua`` first line; Redis >= 7.0, every Valkey):
   one that adds an answer to a cache is refused whole by a full Redis, before it writes
   anything (without the line, Redis checks memory at the script's first command that grows
@@ -336,7 +340,28 @@ def _cluster_class() -> type:
 
 @contextlib.contextmanager
 def unavailable(what: str) -> Iterator[None]:
-    """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``."""
+    """Translate the Redis client's errors (and socket timeouts) into ``StoreUnavailable``; a
+    cancellation the client library swallowed during the call is raised at its end (the
+    module's contract), whether the call then returned or failed (a read that failed after the
+    send that took the cancellation: taken for Redis failing, a lease keeper renewed on)."""
+    task = _current_task()
+    cancels_before = task.cancelling() if task is not None else 0
+    try:
+        with _translated(what):
+            yield
+    except Exception as exc:
+        if task is not None and task.cancelling() > cancels_before:
+            raise asyncio.CancelledError from exc
+        raise
+    if task is not None and task.cancelling() > cancels_before:
+        # Raised here, as it would have been had it come a moment later. (An
+        # ``asyncio.timeout`` around the call that expired during it takes it back as its
+        # TimeoutError.)
+        raise asyncio.CancelledError
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import (
         MaxConnectionsError,
@@ -371,6 +396,13 @@ def unavailable(what: str) -> Iterator[None]:
         # down ("'NoneType' object has no attribute 'writelines'"): Redis failed, not the
         # request, which must not become a 500 (the message is logged with the failure).
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # (no loop running: a synchronous caller)
+        return None
 
 
 def unavailable_in(layer: str) -> Callable[[str], contextlib.AbstractContextManager[None]]:

@@ -115,7 +115,9 @@ of the death (:mod:`.flight_relay`).
   take the call over then, as for a death). So a call that ends during a stall shorter than
   the lease reaches its followers once Redis answers, and is not made again. ``aclose`` ends
   that task (after ``CLOSE_WAIT_S`` for a command on its way: the lock is then left to its
-  lease). Failing while following: the follower reads again from where it was, its clients
+  lease), and stops publishing and renewing for every flight still led here (their locks
+  left to their leases too). A leader cancelled after its call returned (the gateway's close)
+  still publishes the end, the answer with it. Failing while following: the follower reads again from where it was, its clients
   waiting, until Redis has failed it for lease_ms (or, nothing of the call seen, the join
   timeout passed): a stall shorter than the lease costs nothing here either. Only then: nothing
   relayed -> the call runs here; frames relayed -> ``UpstreamStreamBroken`` (its message names
@@ -235,6 +237,7 @@ class SharedFlights:
         self._end = client.register_script(END)
         self._take = client.register_script(TAKE)
         self._background: set[asyncio.Task[Any]] = set()
+        self._publishers: set[_Publisher] = set()  # (of the flights led here: ``aclose``)
         self._closing = False
         self._closed = asyncio.Event()  # (set by ``aclose``: background waits end at once)
         self.leading = 0  # flights this instance leads now
@@ -320,6 +323,9 @@ class SharedFlights:
             await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
         for task in list(self._background):
             await stop_reader(task)
+        for publisher in list(self._publishers):
+            publisher.abort()
+            await stop_reader(publisher.task)
         if self._owns_client:
             await self._client.aclose()
 
@@ -511,6 +517,28 @@ class SharedFlights:
         # The call has returned: should its clients all leave now, its store and end go on,
         # for the followers (and the cache).
         broadcast.on_abandoned, publisher.cancel = _finished, None
+        try:
+            return await self._land(publisher, answer, store, linger, forget)
+        except BaseException:
+            if not publisher.ending:
+                # Cancelled (the gateway's close) or failed before its end was on its way:
+                # the followers get the answer all the same, not to linger (it may not be
+                # stored). Without it the publisher renewed the lock on, its followers
+                # waiting on it, for as long as the process ran.
+                self._spawn(self._end_with(publisher, answer_record(answer, linger=False), 0))
+            raise
+
+    async def _land(
+        self,
+        publisher: _Publisher,
+        answer: Answer,
+        store: Store,
+        linger: bool,
+        forget: Forget | None,
+    ) -> Answer:
+        """The answer of a call that returned: stored (unless an invalidation came while it
+        ran), and the flight's end published with it."""
+        lock, stale, token = publisher.lock, publisher.stale, publisher.token
         # Stored and ended (for the followers), both before the local clients have it.
         if await self._marked_stale(lock, stale, token):
             # An invalidation came while it ran (``forget_all``, on any instance): its answer
@@ -582,6 +610,7 @@ class SharedFlights:
 
     async def _close(self, publisher: _Publisher, record: dict[str, Any], linger_ms: int) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""
+        publisher.ending = True
         await asyncio.shield(self._spawn(self._end_with(publisher, record, linger_ms)))
 
     async def _end_with(
@@ -733,6 +762,7 @@ class _Publisher:
         self.sent = 0  # frames Redis took
         self.sending = 0  # frames of the batch on its way (0: none)
         self.closing = False
+        self.ending = False  # its end is on its way (``SharedFlights._close``)
         self.aborted = False  # the flight was cancelled: publish and renew no more
         self.renewing = True  # False once the lock is lost
         self.failing = False  # the last try failed: nothing more before the next renewal time
@@ -747,7 +777,9 @@ class _Publisher:
         broadcast.on_publish = self._wake.set
         if followed:
             broadcast.on_abandoned = self._abandoned
-        self._task = loop.create_task(self._run())
+        self.task = loop.create_task(self._run())
+        flights._publishers.add(self)
+        self.task.add_done_callback(lambda _: flights._publishers.discard(self))
 
     @property
     def unsent(self) -> int:
@@ -766,13 +798,13 @@ class _Publisher:
         self.closing = True
         self._wake.set()
         self._closed.set()
-        await self._task
+        await self.task
 
     def abort(self) -> None:
         self.broadcast.on_publish = self.broadcast.on_abandoned = None
         # Also stops the loop should redis-py swallow the cancellation (``stop_reader``).
         self.aborted = True
-        self._task.cancel()
+        self.task.cancel()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -482,8 +482,13 @@ class RedisIdempotencyRecords:
         half of it (3 s at the default 6 s) rather than expiring while its request runs."""
         pause = self.lease / 3
         loop = asyncio.get_running_loop()
-        while True:
+        me = asyncio.current_task()
+        # (Released, it is cancelled; it also stops by itself, should a client library ever
+        # lose that cancellation: it renewed the record of a finished request on.)
+        while self._keepers.get(token) is me:
             await asyncio.sleep(pause)
+            if self._keepers.get(token) is not me:
+                return
             sent = loop.time()
             try:
                 async with asyncio.timeout(self.lease / 6):
