@@ -28,12 +28,20 @@ async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prom
     fake, shared_redis
 ):
     prompts = [f"prompt number {i}" for i in range(50)]
-    async with instances(3, fake.url, shared_redis.url) as gateways:
+    # Sent at once, each instance opens ~350 connections to Redis at once: on a loaded 2-core
+    # machine some took longer than the default connect timeout (0.25 s), a degraded moment
+    # in which each instance ran its calls alone (150 calls; docs/scaling.md).
+    settings = {"distributed": {"connect_timeout": 2}}
+    async with instances(3, fake.url, shared_redis.url, settings) as gateways:
         fake.gate = asyncio.Event()
+        # 20 HTTP clients per instance: one client's pool of 1,000 connections (httpx's slows
+        # as it grows) paced the burst over 40 s of a CI run.
+        clients = [
+            httpx.AsyncClient(base_url=g.url, timeout=60) for _ in range(20) for g in gateways
+        ]
 
         async def one(i: int):
-            gateway = gateways[i % 3]
-            return await gateway.client.post("/v1/chat/completions", json=body(prompts[i % 50]))
+            return await clients[i % 60].post("/v1/chat/completions", json=body(prompts[i % 50]))
 
         tasks = [asyncio.create_task(one(i)) for i in range(1000)]
 
@@ -45,6 +53,8 @@ async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prom
         fake.gate.set()
         responses = await asyncio.gather(*tasks)
         states = [(await g.stats())["redis"] for g in gateways]
+        for client in clients:
+            await client.aclose()
     assert [r.status_code for r in responses] == [200] * 1000
     outcomes = collections.Counter(r.headers["x-carpool"] for r in responses)
     assert fake.count() == 50, (outcomes, states)
