@@ -35,7 +35,7 @@ from carpool.wiring import build_idempotency, build_store
 from conftest import redis_settings
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.sizing import deep_size
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
 FP, OTHER_FP = "f" * 32, "0" * 32
@@ -426,6 +426,41 @@ async def test_renew_keeps_the_lease_alive(make: Make) -> None:
         assert await records.renew("k", token) is True
         assert (await records.begin("k", FP)).state == "processing"
     assert await records.finish("k", token, OK) is True
+
+
+async def test_a_redis_begin_cancelled_on_its_way_leaves_no_record_that_refuses_the_retry(
+    redis_server: RedisServer,
+) -> None:
+    # Its client left while the begin was on its way, at every step of it: where it had
+    # landed, its record stayed processing for the lease (nobody renews or settles it), and
+    # the client's retry was refused (409) meanwhile. Now taken back at once.
+    records = RedisIdempotencyRecords(redis_server.url, retention=60, lease=600)
+    try:
+        await records.begin("warm", FP)  # (connected: the steps swept are the begin's own)
+        for steps in range(40):
+            key = f"k{steps}"
+            task = asyncio.get_running_loop().create_task(records.begin(key, FP))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if task.done():
+                break
+            task.cancel()
+            await asyncio.wait({task}, timeout=WAIT_S)
+            assert task.cancelled()
+
+            async def retried_anew(key: str = key) -> bool:
+                began = await records.begin(key, FP)
+                if began.state == "new":
+                    assert began.token is not None
+                    await records.release(key, began.token)
+                return began.state == "new"
+
+            await until(retried_anew, timeout=WAIT_S)
+        else:
+            pytest.fail("the begin did not end within 40 steps")
+        assert steps > 1
+    finally:
+        await records.aclose()
 
 
 async def test_redis_records_renew_their_owners_lease_while_it_works_and_stop_once_settled(

@@ -189,6 +189,33 @@ async def test_callers_past_the_pool_size_wait_for_a_connection_instead_of_faili
         await client.aclose()
 
 
+async def test_a_burst_on_a_new_client_opens_a_few_connections_at_a_time_not_one_per_caller(
+    redis_server,
+):
+    # (A burst on a cold instance opened one per request at once, ~350: on loaded cores some
+    # outlasted the connect timeout, a degraded moment, every request then running alone.)
+    from carpool.redis.connection import CONNECTS_AT_ONCE
+
+    client = connect(redis_server.url, connect_timeout=5, socket_timeout=5)
+    pool = client.connection_pool
+    most = 0
+
+    async def get() -> bytes | None:
+        nonlocal most
+        most = max(most, pool.connecting)
+        reply = await client.get(b"k")
+        most = max(most, pool.connecting)
+        return reply
+
+    try:
+        assert await asyncio.gather(*(get() for _ in range(300))) == [None] * 300
+        assert 0 < most <= CONNECTS_AT_ONCE
+        opened = len(pool._available_connections) + len(pool._in_use_connections)
+        assert opened < 300, "a connection per caller"
+    finally:
+        await client.aclose()
+
+
 async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(redis_server):
     redis = RedisStore(redis_server.url, max_connections=1, pool_timeout=0.05)
     shared = SharedStore(redis, MemoryStore(1 << 20))

@@ -8,7 +8,9 @@ Contract
   instead fails at once past 100 connections ("Too many connections"), which a burst of a few
   hundred concurrent requests reached while Redis was healthy, switching the instance to
   running every call alone. (A cluster client's pools, one per node of ``max_connections``, do
-  not wait: past them a call is ``PoolExhausted`` at once.) Each command may take ``socket_timeout`` (a hung Redis fails a call
+  not wait: past them a call is ``PoolExhausted`` at once.) The blocking pool opens at most
+  ``CONNECTS_AT_ONCE`` connections at a time (a burst on a cold instance opened one per
+  request, and on loaded cores some outlasted the connect timeout: a degraded moment). Each command may take ``socket_timeout`` (a hung Redis fails a call
   in that long, never hangs it), a connection ``connect_timeout``; a refused or reset connection
   is retried ``retries`` times at once (a pooled connection may be stale after a restart), a
   timeout never is.
@@ -102,6 +104,7 @@ SOCKET_TIMEOUT = 0.5  # s per command: Redis answers in well under a ms; a hung 
 CONNECT_TIMEOUT = 0.25  # s per connection attempt
 RETRIES = 1  # immediate retries on a refused/reset connection (never on a timeout)
 MAX_CONNECTIONS = 1000  # per instance; Valkey's default maxclients is 10,000
+CONNECTS_AT_ONCE = 16  # connections a pool opens at a time (``_pool_class``)
 POOL_TIMEOUT = 5.0  # s a caller may wait for a free pooled connection
 BACKOFF_MIN = 0.05  # s before a background reader's first retry after a Redis failure
 RECANCEL_S = 0.25  # s between the cancellations of a reader that runs on (stop_reader): long
@@ -241,7 +244,7 @@ def connect(
             retry=retry,
         )
         return clustered
-    pool = aredis.BlockingConnectionPool.from_url(
+    pool = _pool_class().from_url(
         url,
         max_connections=max_connections,
         timeout=pool_timeout,
@@ -250,6 +253,41 @@ def connect(
         retry=retry,
     )
     return aredis.Redis(connection_pool=pool)
+
+
+@functools.cache
+def _pool_class() -> Any:
+    """redis-py's blocking pool, opening at most ``CONNECTS_AT_ONCE`` connections at a time.
+
+    A burst of requests on a cold instance had it open one connection per request at once
+    (~350 on each of 3 instances): on loaded cores some took longer than the connect timeout,
+    a degraded moment in which every request ran its call alone. Past that many connections
+    on their way, a caller waits for one: a connection made, or one a call gave back (a call
+    takes well under a ms), within the same ``pool_timeout``."""
+    import redis.asyncio as aredis
+
+    class Pool(aredis.BlockingConnectionPool):
+        connecting = 0  # connections being opened now
+
+        def can_get_connection(self) -> bool:
+            return bool(self._available_connections) or (
+                len(self._in_use_connections) < self.max_connections
+                and self.connecting < CONNECTS_AT_ONCE
+            )
+
+        async def ensure_connection(self, connection: Any) -> None:
+            if connection.is_connected:
+                await super().ensure_connection(connection)
+                return
+            self.connecting += 1
+            try:
+                await super().ensure_connection(connection)
+            finally:
+                self.connecting -= 1
+                async with self._condition:
+                    self._condition.notify()  # (a caller may open one now)
+
+    return Pool
 
 
 def url_problem(url: str) -> str | None:

@@ -7,7 +7,9 @@ its owner renews it every lease/3 while the request runs (a task per record begu
 by ``finish``/``abandon``/``release``), so a record whose instance died is free again within
 ``lease`` seconds, while one whose request runs for minutes stays taken. A renewal that fails (Redis down
 or paused) is tried again at the next interval; one that finds the record no longer this owner's
-(its lease ran out, Redis restarted empty) stops.
+(its lease ran out, Redis restarted empty) stops. A ``begin`` cancelled on its way (its client
+left) may have landed, a record nobody renews or settles, refusing the client's retry (409) for
+the lease: its record is released in the background (``_take_back``), if it is its own.
 
 A ``finish`` that Redis failed (a stall, a reset, a pool busy past its wait: anything but a
 refusal, a full Redis or a key of another type) raises as before (the caller keeps a copy of the
@@ -43,11 +45,12 @@ fails with a 500 for the record's retention.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -246,7 +249,7 @@ class RedisIdempotencyRecords:
         # token -> (loop time) when its record's lease runs out: the begin's, or the last
         # renewal's Redis took, counted from when it was sent.
         self._held: dict[str, float] = {}
-        self._finishing: set[asyncio.Task[None]] = set()  # finishes Redis failed, tried again
+        self._finishing: set[asyncio.Task[None]] = set()  # finishes tried again, begins taken back
         self._closing = asyncio.Event()
         self.prefix = prefix
         self.poll_max = poll_max
@@ -294,6 +297,13 @@ class RedisIdempotencyRecords:
             )
         except WrongType as error:
             return Begin("done", response=_unreadable(record_key, error.__cause__))
+        except asyncio.CancelledError:
+            # Its client left while the begin was on its way: it may have landed, a record
+            # in our name nobody renews or settles, refusing the client's retry (409) for the
+            # lease. Released if it is ours (the script checks the token).
+            if not self._closing.is_set():
+                self._in_background(self._take_back(key, token))
+            raise
         state = reply[0].decode()
         if state == "new":
             self._held[token] = sent + self.lease
@@ -338,17 +348,25 @@ class RedisIdempotencyRecords:
             # A stall, a reset: Redis may take it in a moment (the module's docstring).
             later = not self._closing.is_set()
             if later:
-                task = asyncio.get_running_loop().create_task(
-                    self._finish_later(record_key, token, script, args)
-                )
-                self._finishing.add(task)
-                task.add_done_callback(self._finishing.discard)
+                self._in_background(self._finish_later(record_key, token, script, args))
             raise
         finally:
             if not later:
                 self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _take_back(self, key: str, token: str) -> None:
+        """A begin cancelled on its way: its record released if it landed (once; should Redis
+        fail this too, the lease frees the key)."""
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
+            async with asyncio.timeout(self.lease / 6):
+                await self.release(key, token)
 
     async def _finish_later(
         self, record_key: str, token: str, script: Any, args: list[Any]
