@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import collections
 import contextlib
 from pathlib import Path
 
@@ -214,6 +215,38 @@ async def test_a_burst_on_a_new_client_opens_a_few_connections_at_a_time_not_one
         assert opened < 300, "a connection per caller"
     finally:
         await client.aclose()
+
+
+async def test_callers_of_a_hung_redis_each_fail_as_redis_failing_not_as_a_busy_pool():
+    # Redis hung (it takes connections, never answers): once a connection failed to open,
+    # the callers waiting to open theirs try at once, each failing in its own timeout. Taking
+    # turns, 16 at a time, the later ones outwaited the pool's wait: a busy pool, Redis up.
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(1024)  # (never accepted, never read: the kernel completes the handshakes)
+    port = hung.getsockname()[1]
+    client = connect(
+        f"redis://127.0.0.1:{port}", connect_timeout=0.2, socket_timeout=0.2, pool_timeout=1
+    )
+
+    async def get() -> str:
+        try:
+            with unavailable("get"):
+                await client.get(b"k")
+        except PoolExhausted:
+            return "pool exhausted"
+        except StoreUnavailable:
+            return "unavailable"
+        return "answered"
+
+    try:
+        failures = await asyncio.gather(*(get() for _ in range(160)))  # (10 turns of 16)
+        assert collections.Counter(failures) == {"unavailable": 160}
+    finally:
+        await client.aclose()
+        hung.close()
 
 
 async def test_a_pool_wait_that_runs_out_is_counted_apart_and_redis_stays_up(redis_server):

@@ -263,16 +263,20 @@ def _pool_class() -> Any:
     (~350 on each of 3 instances): on loaded cores some took longer than the connect timeout,
     a degraded moment in which every request ran its call alone. Past that many connections
     on their way, a caller waits for one: a connection made, or one a call gave back (a call
-    takes well under a ms), within the same ``pool_timeout``."""
+    takes well under a ms), within the same ``pool_timeout``. Not once a connection failed
+    to open, until one opens again: Redis is down or hung, and each caller then fails in
+    its own connect timeout, not in turn after those before it (a wait that outlasted
+    ``pool_timeout`` would be taken for a busy pool, Redis up)."""
     import redis.asyncio as aredis
 
     class Pool(aredis.BlockingConnectionPool):
         connecting = 0  # connections being opened now
+        failing = False  # the last connection that finished opening failed
 
         def can_get_connection(self) -> bool:
             return bool(self._available_connections) or (
                 len(self._in_use_connections) < self.max_connections
-                and self.connecting < CONNECTS_AT_ONCE
+                and (self.connecting < CONNECTS_AT_ONCE or self.failing)
             )
 
         async def ensure_connection(self, connection: Any) -> None:
@@ -282,10 +286,17 @@ def _pool_class() -> Any:
             self.connecting += 1
             try:
                 await super().ensure_connection(connection)
+                self.failing = False
+            except Exception:
+                self.failing = True
+                raise
             finally:
                 self.connecting -= 1
                 async with self._condition:
-                    self._condition.notify()  # (a caller may open one now)
+                    if self.failing:  # (every caller tries its own now)
+                        self._condition.notify_all()
+                    else:  # (one more may be opened)
+                        self._condition.notify()
 
     return Pool
 

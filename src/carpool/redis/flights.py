@@ -117,11 +117,11 @@ of the death (:mod:`.flight_relay`).
   that task (after ``CLOSE_WAIT_S`` for a command on its way: the lock is then left to its
   lease), and stops publishing and renewing for every flight still led here (their locks
   left to their leases too). A leader cancelled after its call returned (the gateway's close)
-  still publishes the end, the answer with it. Failing while following: the follower reads again from where it was, its clients
-  waiting, until Redis has failed it for lease_ms (or, nothing of the call seen, the join
-  timeout passed): a stall shorter than the lease costs nothing here either. Only then: nothing
-  relayed -> the call runs here; frames relayed -> ``UpstreamStreamBroken`` (its message names
-  no Redis address or error), as for a death. Failures go to the shared store's health
+  still publishes the end, the answer with it. Failing while following: the follower reads
+  again from where it was, its clients waiting, until Redis has failed it for lease_ms (or,
+  nothing of the call seen, the join timeout passed): a stall shorter than the lease costs
+  nothing here either. Only then: nothing relayed -> the call runs here; frames relayed ->
+  ``UpstreamStreamBroken`` (its message names no Redis address or error), as for a death. Failures go to the shared store's health
   (``/stats``, ``/healthz``, the log, degraded mode); successes end a degraded period.
 - Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
   is not what was relayed: see :mod:`.flight_relay`.
