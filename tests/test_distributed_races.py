@@ -285,6 +285,33 @@ async def test_a_leader_cancelled_after_its_call_returned_still_ends_its_flight(
         await eventually(lambda: not a._publishers, what="A publishing no more")
 
 
+async def test_a_leader_whose_flights_layer_closed_while_its_call_ran_still_answers_its_clients(
+    redis_server: Any,
+) -> None:
+    """``aclose`` stops the publishing of the flights still led here; the call, still running,
+    answers its own clients all the same. (Its publisher's task, cancelled by ``aclose``, was
+    awaited as the call ended: the leader ended cancelled, its clients without the answer.)"""
+    from carpool.answer import Answer
+    from carpool.broadcast import Broadcast
+
+    async with shared_flights_on(redis_server, window_ms=0) as flights:
+        returns = asyncio.Event()
+
+        async def call(_: Broadcast) -> Answer:
+            await returns.wait()
+            return Answer("chat", b"{}", True)
+
+        async def keep(_: Answer) -> str:
+            return ""
+
+        leader = asyncio.create_task(flights.run("k", Broadcast(), call, keep))
+        await eventually(lambda: flights.leading == 1, what="the call running")
+        await flights.aclose()
+        returns.set()
+        answer = await asyncio.wait_for(leader, WAIT_S)
+        assert answer.body == b"{}"
+
+
 # ---------------------------------------------------------------- after an invalidation
 
 

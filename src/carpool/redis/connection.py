@@ -39,6 +39,9 @@ Contract
   through /admin/invalidate). :data:`GROWS` and :data:`ALWAYS` are the two first lines.
 - :func:`wait_set` waits for an event, for so many seconds at most: a background task's
   pause between two tries, which a change or its layer's close ends early.
+- :func:`connect`'s client owns its pool: :func:`close_client` closes its connections too (a
+  close that outlasted the connect timeout on a busy loop is logged at debug level, its socket
+  shut all the same), as every layer that owns its client does in its ``aclose``.
 - :func:`stop_reader` ends a background task that loops on Redis commands (a subscriber, a
   stream reader): it cancels it and, while the task runs on, cancels it again every
   ``RECANCEL_S``, until it is done. redis-py's cluster client can swallow a cancellation: the
@@ -69,6 +72,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
@@ -92,6 +96,7 @@ __all__ = [
     "connect",
     "eviction_problem",
     "server_mode",
+    "close_client",
     "stop_reader",
     "wait_set",
     "url_problem",
@@ -134,6 +139,18 @@ async def wait_set(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await event.wait()
+
+
+async def close_client(client: Any) -> None:
+    """Close ``client`` and its connections (the module's contract). A connection whose close
+    outlasted the connect timeout (on a busy loop) is closed all the same, its socket shut:
+    that is no failure of the caller's close."""
+    from redis.exceptions import RedisError
+
+    try:
+        await client.aclose()
+    except (RedisError, OSError) as error:
+        log.debug("closing a Redis client: %s", error)
 
 
 async def stop_reader(task: asyncio.Task[Any] | None) -> None:
@@ -252,7 +269,10 @@ def connect(
         socket_connect_timeout=connect_timeout,
         retry=retry,
     )
-    return aredis.Redis(connection_pool=pool)
+    # (Its owner: the client's ``aclose`` closes the pool's connections too. Given a pool,
+    # ``Redis(connection_pool=...)`` leaves them open: the sockets of a closed layer's client
+    # stayed until the process ended.)
+    return aredis.Redis.from_pool(pool)
 
 
 @functools.cache
@@ -263,21 +283,25 @@ def _pool_class() -> Any:
     (~350 on each of 3 instances): on loaded cores some took longer than the connect timeout,
     a degraded moment in which every request ran its call alone. Past that many connections
     on their way, a caller waits for one: a connection made, or one a call gave back (a call
-    takes well under a ms), within the same ``pool_timeout``. Not once a connection failed
-    to open, until one opens again: Redis is down or hung, and each caller then fails in
-    its own connect timeout, not in turn after those before it (a wait that outlasted
+    takes well under a ms), within the same ``pool_timeout``. Not for two connect timeouts
+    after a connection failed to open (Redis down or hung): each caller then fails in its own
+    connect timeout, not in turn after those before it (a wait that outlasted
     ``pool_timeout`` would be taken for a busy pool, Redis up)."""
     import redis.asyncio as aredis
 
     class Pool(aredis.BlockingConnectionPool):
         connecting = 0  # connections being opened now
-        failing = False  # the last connection that finished opening failed
+        failed_at = -math.inf  # (loop time) when the last one that failed to open failed
 
         def can_get_connection(self) -> bool:
             return bool(self._available_connections) or (
                 len(self._in_use_connections) < self.max_connections
-                and (self.connecting < CONNECTS_AT_ONCE or self.failing)
+                and (self.connecting < CONNECTS_AT_ONCE or self._failing())
             )
+
+        def _failing(self) -> bool:
+            within = 2 * (self.connection_kwargs.get("socket_connect_timeout") or CONNECT_TIMEOUT)
+            return asyncio.get_running_loop().time() - self.failed_at < within
 
         async def ensure_connection(self, connection: Any) -> None:
             if connection.is_connected:
@@ -286,17 +310,16 @@ def _pool_class() -> Any:
             self.connecting += 1
             try:
                 await super().ensure_connection(connection)
-                self.failing = False
             except Exception:
-                self.failing = True
+                self.failed_at = asyncio.get_running_loop().time()
                 raise
             finally:
                 self.connecting -= 1
+                # Every waiter, not one: one woken and cancelled in the same turn would take
+                # the wake-up with it (Python 3.11's Condition), the others left waiting while
+                # there is room, until ``pool_timeout``, for nothing.
                 async with self._condition:
-                    if self.failing:  # (every caller tries its own now)
-                        self._condition.notify_all()
-                    else:  # (one more may be opened)
-                        self._condition.notify()
+                    self._condition.notify_all()
 
     return Pool
 
@@ -487,7 +510,7 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     except StoreUnavailable:
         return None
     finally:
-        await client.aclose()
+        await close_client(client)
     too_old = version_problem(server)
     if too_old is not None:
         raise ValueError(too_old)

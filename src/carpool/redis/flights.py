@@ -157,6 +157,7 @@ from .connection import (
     RedisFull,
     StoreUnavailable,
     WrongType,
+    close_client,
     stop_reader,
     unavailable_in,
     wait_set,
@@ -327,7 +328,7 @@ class SharedFlights:
             publisher.abort()
             await stop_reader(publisher.task)
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
 
     # ------------------------------------------------------------------ the one entry point
 
@@ -623,6 +624,8 @@ class SharedFlights:
         finally:
             publisher.broadcast.on_publish = None
             publisher.broadcast.on_abandoned = None
+        if publisher.aborted:
+            return  # (stopped by ``aclose``: its lock is left to its lease)
         if publisher.unsent or not await self._finish(
             publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
         ):
@@ -798,7 +801,9 @@ class _Publisher:
         self.closing = True
         self._wake.set()
         self._closed.set()
-        await self.task
+        # (Waited for, not awaited: ``aclose`` may have cancelled it, the call it publishes
+        # still running, whose clients get its answer all the same.)
+        await asyncio.wait({self.task})
 
     def abort(self) -> None:
         self.broadcast.on_publish = self.broadcast.on_abandoned = None

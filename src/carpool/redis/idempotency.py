@@ -72,6 +72,7 @@ from .connection import (
     StoreUnavailable,
     WrongType,
     byte_client,
+    close_client,
     connect,
     stop_reader,
     unavailable_in,
@@ -570,7 +571,7 @@ class RedisIdempotencyRecords:
         for token in list(self._keepers):
             self._release(token)
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
 
     def _wake(self, record_key: str) -> None:
         changed = self._changed.pop(record_key, None)

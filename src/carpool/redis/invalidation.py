@@ -48,7 +48,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .connection import Backoff, Health, StoreUnavailable, stop_reader, unavailable_in
+from .connection import Backoff, Health, StoreUnavailable, close_client, stop_reader, unavailable_in
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -128,7 +128,7 @@ class InvalidationChannel:
         subscriber, self._subscriber = self._subscriber, None
         await stop_reader(subscriber)
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
 
     # ------------------------------------------------------------------ publishing
 

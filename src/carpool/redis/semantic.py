@@ -122,6 +122,7 @@ from .connection import (
     Backoff,
     Health,
     StoreUnavailable,
+    close_client,
     stop_reader,
     unavailable_in,
 )
@@ -317,7 +318,7 @@ class SharedSemanticCache(SemanticCache):
         reader, self._reader = self._reader, None
         await stop_reader(reader)
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
         await super().aclose()
 
     # ------------------------------------------------------------------ publishing, reading
@@ -520,7 +521,7 @@ class SemanticInvalidations:
 
     async def aclose(self) -> None:
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
 
 
 def _times(

@@ -82,6 +82,7 @@ from .connection import (
     StoreUnavailable,
     WrongType,
     byte_client,
+    close_client,
     connect,
     stop_reader,
     unavailable_in,
@@ -319,7 +320,7 @@ class RedisStore:
         refreshing, self._refreshing = self._refreshing, None
         await stop_reader(refreshing)
         if self._owns_client:
-            await self._client.aclose()
+            await close_client(self._client)
 
     # ------------------------------------------------------------------ internals
 
