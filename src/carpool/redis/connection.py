@@ -10,10 +10,10 @@ Contract
   running every call alone. (A cluster client's pools, one per node of ``max_connections``, do
   not wait: past them a call is ``PoolExhausted`` at once.) The blocking pool opens at most
   ``CONNECTS_AT_ONCE`` connections at a time (a burst on a cold instance opened one per
-  request, and on loaded cores some outlasted the connect timeout: a degraded moment). Each command may take ``socket_timeout`` (a hung Redis fails a call
-  in that long, never hangs it), a connection ``connect_timeout``; a refused or reset connection
-  is retried ``retries`` times at once (a pooled connection may be stale after a restart), a
-  timeout never is.
+  request, and on loaded cores some outlasted the connect timeout: a degraded moment). Each
+  command may take ``socket_timeout`` (a hung Redis fails a call in that long, never hangs
+  it), a connection ``connect_timeout``; a refused or reset connection is retried ``retries``
+  times at once (a pooled connection may be stale after a restart), a timeout never is.
 - :func:`unavailable` translates the client library's errors (and socket errors) into
   :class:`StoreUnavailable`, the one error every Redis-backed layer raises; a wait for a pooled
   connection that ran out is :class:`PoolExhausted`, a subclass: Redis answered, this instance
