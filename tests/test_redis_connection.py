@@ -225,7 +225,7 @@ async def test_a_connection_that_failed_to_open_once_does_not_unbound_the_next_b
     # next burst opening a connection per caller again.
     from carpool.redis.connection import CONNECTS_AT_ONCE
 
-    client = connect(redis_server.url, connect_timeout=1, socket_timeout=5, retries=0)
+    client = connect(redis_server.url, connect_timeout=0.5, socket_timeout=0.5, retries=0)
     pool = client.connection_pool
     try:
         redis_server.kill()
@@ -260,7 +260,7 @@ async def test_callers_of_a_hung_redis_each_fail_as_redis_failing_not_as_a_busy_
     hung.listen(1024)  # (never accepted, never read: the kernel completes the handshakes)
     port = hung.getsockname()[1]
     client = connect(
-        f"redis://127.0.0.1:{port}", connect_timeout=0.2, socket_timeout=0.2, pool_timeout=1
+        f"redis://127.0.0.1:{port}", connect_timeout=0.2, socket_timeout=0.2, pool_timeout=2
     )
 
     async def get() -> str:
@@ -274,8 +274,8 @@ async def test_callers_of_a_hung_redis_each_fail_as_redis_failing_not_as_a_busy_
         return "answered"
 
     try:
-        failures = await asyncio.gather(*(get() for _ in range(160)))  # (10 turns of 16)
-        assert collections.Counter(failures) == {"unavailable": 160}
+        failures = await asyncio.gather(*(get() for _ in range(320)))  # (20 turns of 16)
+        assert collections.Counter(failures) == {"unavailable": 320}
     finally:
         await close_client(client)
         hung.close()

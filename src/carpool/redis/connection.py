@@ -283,10 +283,10 @@ def _pool_class() -> Any:
     (~350 on each of 3 instances): on loaded cores some took longer than the connect timeout,
     a degraded moment in which every request ran its call alone. Past that many connections
     on their way, a caller waits for one: a connection made, or one a call gave back (a call
-    takes well under a ms), within the same ``pool_timeout``. Not for two connect timeouts
-    after a connection failed to open (Redis down or hung): each caller then fails in its own
-    connect timeout, not in turn after those before it (a wait that outlasted
-    ``pool_timeout`` would be taken for a busy pool, Redis up)."""
+    takes well under a ms), within the same ``pool_timeout``. Not for two attempts' time
+    (connect and socket timeouts) after a connection failed to open (Redis down or hung):
+    each caller then fails in its own attempt, not in turn after those before it (a wait that
+    outlasted ``pool_timeout`` would be taken for a busy pool, Redis up)."""
     import redis.asyncio as aredis
 
     class Pool(aredis.BlockingConnectionPool):
@@ -300,8 +300,13 @@ def _pool_class() -> Any:
             )
 
         def _failing(self) -> bool:
-            within = 2 * (self.connection_kwargs.get("socket_connect_timeout") or CONNECT_TIMEOUT)
-            return asyncio.get_running_loop().time() - self.failed_at < within
+            # (Two attempts' worth: the TCP connect, then the handshake's reply. While
+            # callers try, each failure comes within one attempt of the last.)
+            kwargs = self.connection_kwargs
+            attempt = (kwargs.get("socket_connect_timeout") or CONNECT_TIMEOUT) + (
+                kwargs.get("socket_timeout") or SOCKET_TIMEOUT
+            )
+            return asyncio.get_running_loop().time() - self.failed_at < 2 * attempt
 
         async def ensure_connection(self, connection: Any) -> None:
             if connection.is_connected:
