@@ -28,21 +28,12 @@ async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prom
     fake, shared_redis
 ):
     prompts = [f"prompt number {i}" for i in range(50)]
-    # Sent at once, ~350 requests on each instance, beside the rest of the suite on two cores:
-    # Redis is fine, the cores are not. The default timeouts took a late call or renewal for
-    # Redis failing, or a leader's death: a degraded moment, or a takeover, each a call made
-    # again (150 or 62 for 50 prompts). What is tested is the sharing, so they are generous.
-    settings = {"distributed": {"timeout": 5, "connect_timeout": 5, "lease_ms": 60_000}}
-    async with instances(3, fake.url, shared_redis.url, settings) as gateways:
+    async with instances(3, fake.url, shared_redis.url) as gateways:
         fake.gate = asyncio.Event()
-        # 20 HTTP clients per instance: one client's pool of 1,000 connections (httpx's slows
-        # as it grows) paced the burst over 40 s of a CI run.
-        clients = [
-            httpx.AsyncClient(base_url=g.url, timeout=60) for _ in range(20) for g in gateways
-        ]
 
         async def one(i: int):
-            return await clients[i % 60].post("/v1/chat/completions", json=body(prompts[i % 50]))
+            gateway = gateways[i % 3]
+            return await gateway.client.post("/v1/chat/completions", json=body(prompts[i % 50]))
 
         tasks = [asyncio.create_task(one(i)) for i in range(1000)]
 
@@ -54,8 +45,6 @@ async def test_a_burst_of_1000_requests_over_3_instances_makes_one_call_per_prom
         fake.gate.set()
         responses = await asyncio.gather(*tasks)
         states = [(await g.stats())["redis"] for g in gateways]
-        for client in clients:
-            await client.aclose()
     assert [r.status_code for r in responses] == [200] * 1000
     outcomes = collections.Counter(r.headers["x-carpool"] for r in responses)
     assert fake.count() == 50, (outcomes, states)
