@@ -150,7 +150,8 @@ async def test_a_redis_call_cancelled_at_any_step_ends_cancelled_when_its_read_t
     # Redis stalled (CLIENT PAUSE): every call's read times out. One whose send took the
     # cancellation (as above) then failed as Redis failing: an idempotency record's lease
     # keeper took it for an outage and renewed on, its record held past its request's end.
-    store = RedisStore(redis_server.url, socket_timeout=0.1)
+    # (Each call is cancelled at once: its read's timeout is what a lost cancel waits out.)
+    store = RedisStore(redis_server.url, socket_timeout=1)
     admin = connect(redis_server.url)
     try:
         await store.get("k")  # (connected: the steps swept are the call's own)
@@ -233,7 +234,7 @@ async def test_a_connection_that_failed_to_open_once_does_not_unbound_the_next_b
             await client.get(b"k")
         assert pool._failing()
         redis_server.restart()
-        await eventually(lambda: not pool._failing(), what="the failure two timeouts old")
+        await eventually(lambda: not pool._failing(), what="the failure two attempts old")
         most = 0
 
         async def get() -> bytes | None:
@@ -282,8 +283,9 @@ async def test_callers_of_a_hung_redis_each_fail_as_redis_failing_not_as_a_busy_
 
 
 async def test_closing_a_client_closes_its_connections_to_redis(redis_server):
-    observer = connect(redis_server.url)
-    client = connect(redis_server.url)
+    # (Generous timeouts: a CI run beside other tests took over 0.25 s to connect.)
+    observer = connect(redis_server.url, connect_timeout=5, socket_timeout=5)
+    client = connect(redis_server.url, connect_timeout=5, socket_timeout=5)
 
     async def connected() -> int:
         return int((await observer.info("clients"))["connected_clients"])
