@@ -35,7 +35,7 @@ from carpool.wiring import build_idempotency, build_store
 from conftest import redis_settings
 from fakes.redis_server import RedisServer, assert_each_fails_fast
 from fakes.sizing import deep_size
-from fakes.waiting import WAIT_S, eventually
+from fakes.waiting import WAIT_S, cancelled_after, eventually
 
 BACKENDS = ["memory", "redis", "redis-cluster"]
 FP, OTHER_FP = "f" * 32, "0" * 32
@@ -439,13 +439,9 @@ async def test_a_redis_begin_cancelled_on_its_way_leaves_no_record_that_refuses_
         await records.begin("warm", FP)  # (connected: the steps swept are the begin's own)
         for steps in range(40):
             key = f"k{steps}"
-            task = asyncio.get_running_loop().create_task(records.begin(key, FP))
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            if task.done():
+            task = await cancelled_after(records.begin(key, FP), steps)
+            if task is None:
                 break
-            task.cancel()
-            await asyncio.wait({task}, timeout=WAIT_S)
             assert task.cancelled()
 
             async def retried_anew(key: str = key) -> bool:

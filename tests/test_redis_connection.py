@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("redis")
 
 from carpool.redis.connection import (  # noqa: E402
+    Background,
     PoolExhausted,
     close_client,
     connect,
@@ -24,7 +25,7 @@ from carpool.redis.store import RedisStore  # noqa: E402
 from carpool.store.base import StoreUnavailable  # noqa: E402
 from carpool.store.memory import MemoryStore  # noqa: E402
 from carpool.store.shared import SharedStore  # noqa: E402
-from fakes.waiting import WAIT_S, eventually  # noqa: E402
+from fakes.waiting import WAIT_S, cancelled_after, eventually  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "carpool"
 
@@ -109,6 +110,46 @@ def test_a_cancellation_the_client_library_swallowed_is_raised_once_its_call_end
     assert asyncio.run(already_cancelled()) == "reply"
 
 
+async def test_background_work_is_held_until_it_ends_and_a_failure_is_logged_with_what_it_was(
+    caplog,
+):
+    background = Background("publishing a test entry")
+    go, fail = asyncio.Event(), asyncio.Event()
+
+    async def work(event: asyncio.Event, error: Exception | None) -> None:
+        await event.wait()
+        if error is not None:
+            raise error
+
+    kept = background.spawn(work(go, None))
+    failing = background.spawn(work(fail, RuntimeError("boom")))
+    assert set(background) == {kept, failing} and len(background) == 2
+    with caplog.at_level("ERROR", logger="carpool.redis"):
+        go.set()
+        fail.set()
+        await asyncio.wait({kept, failing})
+        await asyncio.sleep(0)  # (the done callbacks run in the next turn)
+    assert not background
+    failed = [r for r in caplog.records if r.getMessage() == "publishing a test entry failed"]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert isinstance(failed[0].exc_info[1], RuntimeError)
+
+
+async def test_background_drain_lets_work_end_for_its_grace_then_cancels_the_rest():
+    background = Background("test work")
+    quick, stuck = asyncio.Event(), asyncio.Event()
+    ended = background.spawn(quick.wait())
+    outlasting = background.spawn(stuck.wait())
+    quick.set()
+    await background.drain(0.05)
+    assert ended.done() and not ended.cancelled()
+    assert outlasting.cancelled() and not background
+    unbounded = Background("test work")
+    finishing = unbounded.spawn(asyncio.sleep(0.01))
+    await unbounded.drain(None)  # (as long as it takes)
+    assert finishing.done() and not finishing.cancelled()
+
+
 @pytest.mark.parametrize("backend", ["store", "idempotency"])
 async def test_a_redis_call_cancelled_at_any_step_ends_cancelled(redis_server, backend):
     # A cancellation at every step of a real call: each one that came before the reply ends
@@ -127,13 +168,9 @@ async def test_a_redis_call_cancelled_at_any_step_ends_cancelled(redis_server, b
         await call()  # (connected: the steps swept are the call's own)
         cancelled_at = []
         for steps in range(40):
-            task = asyncio.get_running_loop().create_task(call())
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            if task.done():
+            task = await cancelled_after(call(), steps)
+            if task is None:
                 break  # (every step was swept: the call had its reply)
-            task.cancel()
-            await asyncio.wait({task}, timeout=WAIT_S)
             if not task.cancelled():
                 cancelled_at.append((steps, task.result()))
         else:
@@ -158,12 +195,8 @@ async def test_a_redis_call_cancelled_at_any_step_ends_cancelled_when_its_read_t
         await admin.execute_command("CLIENT", "PAUSE", 60_000, "ALL")
         ended = []
         for steps in range(12):
-            task = asyncio.get_running_loop().create_task(store.get("k"))
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            assert not task.done()  # (Redis is paused: no call ends by itself here)
-            task.cancel()
-            await asyncio.wait({task}, timeout=WAIT_S)
+            task = await cancelled_after(store.get("k"), steps)
+            assert task is not None  # (Redis is paused: no call ends by itself here)
             ended.append("cancelled" if task.cancelled() else repr(task.exception()))
         assert ended == ["cancelled"] * 12
     finally:

@@ -48,6 +48,11 @@ Contract
   command then returns as if none had come (seen: about 1 in 60 tasks cancelled in an
   ``XREAD`` read again; an instance's shutdown then waited on it). Such loops also stop by
   themselves once their layer is closed.
+- :class:`Background` holds a layer's work run off its callers' path (a claim taken back, a
+  flight's end or a finish tried again, an entry published): each task referenced until it
+  ends (the loop holds tasks weakly), a failure logged with what it was; ``drain(grace)``, in
+  the layer's ``aclose``, lets them end for ``grace`` seconds (None: as long as they take),
+  then stops each with :func:`stop_reader`.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
   While degraded, a True from ``usable()`` is the one attempt per ``retry_interval``: the caller
@@ -73,7 +78,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from ..config.urls import urls_without_credentials
@@ -85,6 +90,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("carpool.redis")
 
 __all__ = [
+    "Background",
     "Backoff",
     "ALWAYS",
     "GROWS",
@@ -163,6 +169,37 @@ async def stop_reader(task: asyncio.Task[Any] | None) -> None:
         await asyncio.wait({task}, timeout=RECANCEL_S)
     if not task.cancelled():
         task.exception()  # (retrieved: asyncio logs none at exit)
+
+
+class Background:
+    """A layer's work off its callers' path (the module's contract)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # (named in the log line of a task that failed)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", self.what, exc_info=task.exception())
+
+    async def drain(self, grace: float | None) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        for task in list(self._tasks):
+            await stop_reader(task)
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(list(self._tasks))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
 
 
 class PoolExhausted(StoreUnavailable):

@@ -144,7 +144,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..answer import Answer
@@ -152,6 +152,7 @@ from ..broadcast import Broadcast
 from ..errors import CarpoolError, UpstreamError
 from .connection import (
     BACKOFF_MIN,
+    Background,
     Health,
     PoolExhausted,
     RedisFull,
@@ -237,7 +238,7 @@ class SharedFlights:
         self._frames = client.register_script(FRAMES)
         self._end = client.register_script(END)
         self._take = client.register_script(TAKE)
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background = Background("shared flight cleanup")  # (claims taken back, ends)
         self._publishers: set[_Publisher] = set()  # (of the flights led here: ``aclose``)
         self._closing = False
         self._closed = asyncio.Event()  # (set by ``aclose``: background waits end at once)
@@ -320,10 +321,7 @@ class SharedFlights:
         (a flight whose end never landed is left to its lease, as for a dead leader)."""
         self._closing = True
         self._closed.set()
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=CLOSE_WAIT_S)
-        for task in list(self._background):
-            await stop_reader(task)
+        await self._background.drain(CLOSE_WAIT_S)
         for publisher in list(self._publishers):
             publisher.abort()
             await stop_reader(publisher.task)
@@ -393,12 +391,14 @@ class SharedFlights:
                 if not isinstance(error, PoolExhausted):  # (that one was never sent)
                     # It may have landed all the same (a timeout on our side): a lock in our
                     # name that nobody renews, publishes into or ends, followed for lease_ms.
-                    self._spawn(self._unclaim(lock, streams + token, stales + token, token))
+                    self._background.spawn(
+                        self._unclaim(lock, streams + token, stales + token, token)
+                    )
                 return await self._alone(call, store, broadcast)
             except asyncio.CancelledError:
                 # Its clients left while the claim was on its way: it may have landed, a lock
                 # every instance would wait on for lease_ms. Taken back if it is ours.
-                self._spawn(self._unclaim(lock, streams + token, stales + token, token))
+                self._background.spawn(self._unclaim(lock, streams + token, stales + token, token))
                 raise
             self._answered()
             if reply[0] == b"lead":
@@ -504,7 +504,7 @@ class SharedFlights:
             if not publisher.left:
                 # Cancelled otherwise than by its clients' leaving, which ended it already:
                 # tell the followers now rather than by the lease.
-                self._spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
+                self._background.spawn(self._finish(lock, stream, stale, token, {"e": "g"}, 0))
             raise
         except CarpoolError as error:
             await self._close(publisher, error_record(error), 0)
@@ -526,7 +526,9 @@ class SharedFlights:
                 # the followers get the answer all the same, not to linger (it may not be
                 # stored). Without it the publisher renewed the lock on, its followers
                 # waiting on it, for as long as the process ran.
-                self._spawn(self._end_with(publisher, answer_record(answer, linger=False), 0))
+                self._background.spawn(
+                    self._end_with(publisher, answer_record(answer, linger=False), 0)
+                )
             raise
 
     async def _land(
@@ -612,7 +614,7 @@ class SharedFlights:
     async def _close(self, publisher: _Publisher, record: dict[str, Any], linger_ms: int) -> None:
         """The end of the flight, finished even if the local flight is cancelled meanwhile."""
         publisher.ending = True
-        await asyncio.shield(self._spawn(self._end_with(publisher, record, linger_ms)))
+        await asyncio.shield(self._background.spawn(self._end_with(publisher, record, linger_ms)))
 
     async def _end_with(
         self, publisher: _Publisher, record: dict[str, Any], linger_ms: int
@@ -629,7 +631,7 @@ class SharedFlights:
         if publisher.unsent or not await self._finish(
             publisher.lock, publisher.stream, publisher.stale, publisher.token, record, linger_ms
         ):
-            self._spawn(self._end_later(publisher, record, linger_ms))
+            self._background.spawn(self._end_later(publisher, record, linger_ms))
 
     async def _end_later(
         self, publisher: _Publisher, record: dict[str, Any], linger_ms: int
@@ -703,17 +705,6 @@ class SharedFlights:
     def _answered(self) -> None:
         if self.health is not None:
             self.health.report(None)
-
-    def _spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-        return task
-
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("shared flight cleanup failed", exc_info=task.exception())
 
 
 def _answered_by_redis(error: StoreUnavailable) -> bool:

@@ -50,7 +50,7 @@ import hashlib
 import logging
 import math
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,7 @@ from .connection import (
     BACKOFF_MIN,
     GROWS,
     POOL_TIMEOUT,
+    Background,
     ConnectOptions,
     Health,
     PoolExhausted,
@@ -74,7 +75,6 @@ from .connection import (
     byte_client,
     close_client,
     connect,
-    stop_reader,
     unavailable_in,
     wait_set,
 )
@@ -250,7 +250,8 @@ class RedisIdempotencyRecords:
         # token -> (loop time) when its record's lease runs out: the begin's, or the last
         # renewal's Redis took, counted from when it was sent.
         self._held: dict[str, float] = {}
-        self._finishing: set[asyncio.Task[None]] = set()  # finishes tried again, begins taken back
+        # Finishes tried again, begins taken back:
+        self._finishing = Background("idempotency record cleanup")
         self._closing = asyncio.Event()
         self.prefix = prefix
         self.poll_max = poll_max
@@ -303,7 +304,7 @@ class RedisIdempotencyRecords:
             # in our name nobody renews or settles, refusing the client's retry (409) for the
             # lease. Released if it is ours (the script checks the token).
             if not self._closing.is_set():
-                self._in_background(self._take_back(key, token))
+                self._finishing.spawn(self._take_back(key, token))
             raise
         state = reply[0].decode()
         if state == "new":
@@ -349,18 +350,13 @@ class RedisIdempotencyRecords:
             # A stall, a reset: Redis may take it in a moment (the module's docstring).
             later = not self._closing.is_set()
             if later:
-                self._in_background(self._finish_later(record_key, token, script, args))
+                self._finishing.spawn(self._finish_later(record_key, token, script, args))
             raise
         finally:
             if not later:
                 self._release(token)  # (only now: the lease must outlive the script)
         self._wake(record_key)
         return bool(done)
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
 
     async def _take_back(self, key: str, token: str) -> None:
         """A begin cancelled on its way: its record released if it landed (once; should Redis
@@ -502,10 +498,10 @@ class RedisIdempotencyRecords:
         pause = self.lease / 3
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
-        # (Released, it is cancelled; it also stops by itself, should a client library ever
-        # lose that cancellation: it renewed the record of a finished request on.)
-        while self._keepers.get(token) is me:
+        while True:
             await asyncio.sleep(pause)
+            # (Released, it is cancelled; it also stops by itself, should a client library
+            # ever lose that cancellation: it renewed the record of a finished request on.)
             if self._keepers.get(token) is not me:
                 return
             sent = loop.time()
@@ -564,10 +560,7 @@ class RedisIdempotencyRecords:
         """The finishes tried again stop waiting (one on its way gets ``CLOSE_WAIT_S``, then
         is cancelled: the record is left to its lease), the leases are no longer renewed."""
         self._closing.set()
-        if self._finishing:
-            await asyncio.wait(list(self._finishing), timeout=CLOSE_WAIT_S)
-        for task in list(self._finishing):
-            await stop_reader(task)
+        await self._finishing.drain(CLOSE_WAIT_S)
         for token in list(self._keepers):
             self._release(token)
         if self._owns_client:

@@ -119,6 +119,7 @@ from ..store.base import Selector
 from .connection import (
     ALWAYS,
     REDIS_NOW,
+    Background,
     Backoff,
     Health,
     StoreUnavailable,
@@ -221,7 +222,7 @@ class SharedSemanticCache(SemanticCache):
         self._client = client
         self._owns_client = owns_client
         self._reader: asyncio.Task[None] | None = None
-        self._publishing: set[asyncio.Task[object]] = set()
+        self._publishing = Background("publishing a semantic entry")
         self._closed = False
 
     def __repr__(self) -> str:
@@ -255,7 +256,7 @@ class SharedSemanticCache(SemanticCache):
         # In this instance's index already (the caller waits for that: read-your-writes); the
         # others get it from the stream, published off the caller's path. Its view is the
         # focused one (``focus`` is idempotent: the receiver files it under the same scope).
-        self._spawn(
+        self._publishing.spawn(
             self._publish(
                 {
                     b"op": b"put",
@@ -279,11 +280,6 @@ class SharedSemanticCache(SemanticCache):
                 }
             )
         )
-
-    def _spawn(self, work: Awaitable[object]) -> None:
-        task: asyncio.Task[object] = asyncio.ensure_future(work)
-        self._publishing.add(task)
-        task.add_done_callback(self._publishing.discard)
 
     async def invalidate(self, selector: Selector) -> int:
         """Here, then on the stream (the module's contract: ``StoreUnavailable`` when the
@@ -313,8 +309,7 @@ class SharedSemanticCache(SemanticCache):
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._publishing:  # entries being published: let them go out
-            await asyncio.gather(*self._publishing, return_exceptions=True)
+        await self._publishing.drain(None)  # entries being published: let them go out
         reader, self._reader = self._reader, None
         await stop_reader(reader)
         if self._owns_client:
