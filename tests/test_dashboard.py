@@ -803,6 +803,23 @@ async def test_namespaces_differing_only_in_case_read_differently_on_their_tiles
     await page.close()
 
 
+async def test_no_fixed_tile_label_or_note_is_cut_short_in_a_1280_pixel_window(gw, browser):
+    # ("Saved fraction", "Upstream calls" and "Semantic cache" read "SAVED FRACTI…" once labels
+    # were clipped; the rate tile's note was twice its tile's width.) Every fixed tile shown:
+    # with both cache layers, nine in a row.
+    layers = {"exact": {"entries": 2, "bytes": 10}, "semantic": {"entries": 1, "bytes": 5}}
+    page, thrown = await polling(browser, gw, [{"requests": 3, "layers": layers}])
+    assert page.viewport_size["width"] == 1280
+    await page.wait_for_function("() => window.carpoolDashboard.ticks >= 1", timeout=WAIT_MS)
+    shown = await page.evaluate(
+        """() => [...document.querySelectorAll('.tile .label, #tile-rate .note')]
+             .map(e => [e.textContent, e.scrollWidth > e.clientWidth])"""
+    )
+    assert len(shown) == 10 and "semantic cache" in {text.lower() for text, _ in shown}, shown
+    assert [text for text, clipped in shown if clipped] == [] and thrown == []
+    await page.close()
+
+
 async def test_requests_per_second_counts_the_requests_the_gateway_refused(gw, browser):
     """The "Requests" tile counts refused (and abandoned) requests; "Requests / s" beside it
     counted only the five outcomes: a flood of refused requests read 0.00/s."""
@@ -830,5 +847,6 @@ async def test_requests_per_second_counts_the_requests_the_gateway_refused(gw, b
     rates = await page.evaluate("() => window.rates")
     assert any(rate > 0 for rate in rates), rates  # the poll that saw them
     note = await page.inner_text("#tile-rate .note")
-    assert "rejected" in note and "abandoned" in note
+    said = await page.get_attribute("#tile-rate .note", "title")
+    assert "rejected" in note and said is not None and "abandoned" in said, (note, said)
     await page.close()
