@@ -46,6 +46,7 @@ class Server:
         self.requests: list[bytes] = []
         self.cuts = 0
         self.closed = asyncio.Event()
+        self.ends = 0  # connections that ended (closed by either side)
         self.port = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,6 +68,7 @@ class Server:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.ends += 1
             self.closed.set()
             writer.close()
 
@@ -142,6 +144,30 @@ async def test_the_most_recently_used_idle_connection_is_reused_and_a_stale_one_
     await (await pool.request(post(), True)).read()
     assert server.connections == 3  # idle past keep-alive: both closed, a fresh one opened
     assert pool.open == 1
+
+
+async def test_idle_connections_are_closed_at_their_keep_alive_with_no_traffic_after(serve):
+    # (They were closed only as a later call came: after a burst, a server with no idle
+    # timeout of its own held every connection until the gateway's next call.)
+    gate = asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, keepalive_s=0.2)
+    burst = [asyncio.create_task(pool.request(post(), True)) for _ in range(3)]
+    await eventually(lambda: len(server.requests) == 3)
+    gate.set()
+    for task in burst:
+        await (await task).read()
+    assert server.connections == 3 and len(pool.idle) == 3
+    await eventually(lambda: pool.open == 0 and not pool.idle, what="idle connections closed")
+    await eventually(lambda: server.ends == 3, what="the server seeing them close")
+    assert pool._reaping is None  # (nothing idle: no timer left behind)
+    await (await pool.request(post(), True)).read()  # (and the pool serves on)
+    assert server.connections == 4
 
 
 async def test_beyond_the_limit_a_request_waits_for_a_connection(serve):

@@ -185,7 +185,8 @@ class LimitsConfig(Section):
         1000,
         gt=0,
         description="Pooled connections per replica; a request beyond waits for one, in turn "
-        "(first come, first served).",
+        "(first come, first served). Per pool: the cached endpoints' calls and pass-through "
+        "calls have one each, and so has each worker process (serve --workers).",
     )
     body_read_timeout: float = Field(
         30,

@@ -13,8 +13,10 @@ Contract:
   longest, never to one that came after it). An idle one
   is reused, the most recently used first, unless it has been idle for ``keepalive_s`` or more
   (then it is closed: before the server drops it itself, which races with its reuse; the
-  oldest idle ones are closed so too whenever a connection comes back) or the server closed it
-  or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
+  oldest idle ones are closed so too whenever a connection comes back, and by a timer at the
+  oldest one's ``keepalive_s``, traffic or none: after a burst, a server with no idle timeout
+  of its own was left holding every connection until the gateway's next call) or the server
+  closed it or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
 - ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) on one connection,
   and returns an ``Answer`` once its status and headers have come, or (``whole``) once all of
   it has. It is sent once: a POST may not be sent again once a server may have read it whole,
@@ -240,6 +242,7 @@ class Pool:
         self._waiting: deque[asyncio.Future[Connection | None]] = deque()
         self.closed = False
         self.resent = 0  # requests sent a second time (the keep-alive race, module contract)
+        self._reaping: asyncio.TimerHandle | None = None  # (``_reap``, while any is idle)
 
     async def request(self, data: bytes, whole: bool) -> Answer:
         # Nobody waiting (the common case): the most recent idle one at once; else in turn.
@@ -406,13 +409,32 @@ class Pool:
             if self._waiting and self._hand(connection):
                 return  # (busy still: the request that has waited longest has it now)
             self.busy.discard(connection)
-            idle, now = self.idle, monotonic()
-            while idle and now - idle[0].idle_since >= self.keepalive_s:
-                self.discard(idle.pop(0))
+            now = monotonic()
+            self._close_expired(now)
             connection.idle_since = now
-            idle.append(connection)
+            self.idle.append(connection)
+            if self._reaping is None:
+                self._reap_at(self.keepalive_s)
         else:
             self.discard(connection)
+
+    def _close_expired(self, now: float) -> None:
+        idle = self.idle  # (the least recently used first)
+        while idle and now - idle[0].idle_since >= self.keepalive_s:
+            self.discard(idle.pop(0))
+
+    def _reap_at(self, delay: float) -> None:
+        self._reaping = asyncio.get_running_loop().call_later(delay, self._reap)
+
+    def _reap(self) -> None:
+        """The idle connections past their keep-alive closed; again at the next one's."""
+        self._reaping = None
+        if self.closed:
+            return
+        now = monotonic()
+        self._close_expired(now)
+        if self.idle:
+            self._reap_at(max(0.0, self.idle[0].idle_since + self.keepalive_s - now))
 
     def discard(self, connection: Connection) -> None:
         """Closed, not reused."""
@@ -454,6 +476,9 @@ class Pool:
         """Close every connection: the requests waiting for an answer on one fail
         (``WireError``, "connection closed"), as do those waiting for one and those after this."""
         self.closed = True
+        if self._reaping is not None:
+            self._reaping.cancel()
+            self._reaping = None
         waiting = self._waiting
         while waiting:  # (first: no place freed below is handed to one of them)
             waiter = waiting.popleft()
