@@ -488,6 +488,21 @@ def test_buckets_count_a_value_on_a_bound_in_that_bucket_and_are_cumulative_up_t
     assert buckets.sum == pytest.approx(8.65)
 
 
+async def test_a_client_that_leaves_before_sending_its_whole_body_is_counted_as_abandoned(gw):
+    # (It was counted nowhere, not even in requests; a body that timed out is a rejected 408.)
+    port = int(gw.url.rsplit(":", 1)[1])
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 100\r\n\r\n{"model":'
+    )
+    await writer.drain()
+    writer.close()
+    await eventually(lambda: gw.gateway.stats.abandoned == 1, what="the request abandoned")
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["requests"] == stats["abandoned"] == 1 and stats["rejected"] == 0
+
+
 async def test_a_client_that_leaves_before_its_answer_is_counted_as_abandoned(gw, fake):
     # It was counted in no outcome: /stats' requests left it out, /metrics too.
     fake.hang = True

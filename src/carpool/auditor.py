@@ -18,7 +18,9 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   audit, never shared, never written over the entry. An upstream error, a timeout, a non-2xx
   answer, a flight that failed or a judge without a verdict counts nothing (``Audits.failed``).
   Only deterministic requests are audited (two samples may differ), and at most
-  ``MAX_RUNNING`` audits run at once (a draw beyond is skipped).
+  ``MAX_RUNNING`` audits run at once (a draw beyond is skipped). Returns whether an audit
+  began: a match served whose audit asks the upstream is no answer the engine did not compute
+  (its tokens are not in ``tokens_saved``).
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
   (``x-carpool-entry``) was wrong: the entry is dropped and a wrong hit counts in its budget
   (its tenant's, ``SemanticEntry.tenant``, in its namespace; at every bar: which match was
@@ -67,13 +69,14 @@ class Auditor:
         view: SemanticView,
         near: bool,
         flight: Broadcast | None = None,
-    ) -> None:
+    ) -> bool:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
-            return
+            return False
         task = asyncio.ensure_future(self._audit(request, budget, match, view, near, flight))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+        return True
 
     async def _audit(
         self,

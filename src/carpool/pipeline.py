@@ -351,8 +351,8 @@ class Gateway:
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING or (state == BACKED_OFF and near)
                 ):
-                    if audited:
-                        self.auditor.maybe(request, budget, match, view, near)
+                    # (An audit asks the engine for the answer again: its tokens are not saved.)
+                    recomputed = audited and self.auditor.maybe(request, budget, match, view, near)
                     self.metrics.similarity.observe(match.similarity)
                     if remember is not None:
                         remember()
@@ -363,6 +363,7 @@ class Gateway:
                         request.stream,
                         request.include_usage,
                         similarity(match),
+                        recomputed=recomputed,
                     )
                 if audited:
                     unserved = budget, match, near
@@ -635,10 +636,13 @@ class Gateway:
         stream: bool,
         include_usage: bool,
         extra: Sequence[tuple[bytes, bytes]] = (),
+        *,
+        recomputed: bool = False,
     ) -> Reply:
-        """A reply carrying a whole answer (``reply.whole``), counted."""
+        """A reply carrying a whole answer (``reply.whole``), counted; ``recomputed``: the
+        engine is asked for it all the same (an audit), its tokens not saved."""
         self.stats.count(route, outcome)
-        if outcome.saved:
+        if outcome.saved and not recomputed:
             self._saved(outcome, answer)
         return whole(outcome, answer, stream, include_usage, extra, now=self.clock.now())
 

@@ -322,8 +322,10 @@ class GatewayApp:
                 BY_PATH[path].error_body(error),
             )  # (the API's error shape)
             return
-        if body is None:
-            return  # the client left before sending its body
+        if body is None:  # the client left before sending its body
+            if scope.get(PEER) is not True:  # (a peer's: counted where it came from)
+                self.gateway.stats.abandoned += 1  # (it was counted nowhere: requests too)
+            return
         client = ClientRequest(
             path,
             body,

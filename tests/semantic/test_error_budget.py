@@ -238,6 +238,24 @@ async def test_audits_run_in_the_background_after_the_client_got_its_answer(fake
         assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
 
 
+async def test_an_audited_semantic_hits_tokens_are_not_counted_saved(fake, gateway_with):
+    # (They were: the engine computed the answer again for the audit, yet /stats said its
+    # tokens were "not recomputed".) A hit not audited still counts its tokens.
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        await ask(gw, ROUTER)
+        before = (await admin(gw, "GET", "/stats")).json()
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+        await eventually(lambda: gw.gateway.layers.audits.calls == 1, what="the audit's call")
+        after = (await admin(gw, "GET", "/stats")).json()
+        assert after["semantic_hits"] == before["semantic_hits"] + 1
+        assert after["tokens_saved"] == before["tokens_saved"]
+        assert after["upstream_calls"] == before["upstream_calls"] + 1  # (the audit's)
+    async with gateway_with(**semantic()) as gw:  # (no audits)
+        await ask(gw, ROUTER)
+        assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+        assert (await admin(gw, "GET", "/stats")).json()["tokens_saved"] > 0
+
+
 async def test_an_audit_that_disagrees_counts_a_wrong_hit_in_its_namespace(fake, gateway_with):
     async with gateway_with(**semantic(audit_rate=1.0)) as gw:  # answers differ per call
         await ask(gw, ROUTER, "faq")
