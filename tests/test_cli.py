@@ -366,7 +366,7 @@ def test_sim_that_cannot_listen_exits_2_naming_host_and_port_before_any_replica_
         held.bind(("127.0.0.1", port + 1))
         held.listen()
         for args in (
-            ["--host", "no such host", "--port", "0"],
+            ["--host", "no-such-host.invalid", "--port", "0"],  # (a name no lookup finds)
             ["--port", str(port + 1)],
             ["--port", str(port), "--replicas", "2"],
         ):

@@ -651,6 +651,19 @@ def test_an_empty_host_is_refused_every_interface_must_be_written(host):
         assert Config.load(env={}, overrides={"host": every}).host == every
 
 
+@pytest.mark.parametrize(
+    "host", ["http://127.0.0.1", "127.0.0.1:8080", "a b", "0.0.0.0.0", "999.1.1.1", "[::1]", "-x"]
+)
+def test_a_host_that_is_neither_an_ip_address_nor_a_host_name_is_refused(host):
+    # check-config said ok, and showed "listening on http://127.0.0.1:8080"; serve then
+    # failed to listen (exit 2): what serve refuses, the config refuses when it loads.
+    with pytest.raises(ConfigError, match="host") as raised:
+        Config.load(env={}, overrides={"host": host})
+    assert "no IP address" in str(raised.value) or "no address to listen on" in str(raised.value)
+    for good in ("127.0.0.1", "::1", "fe80::1%lo", "localhost", "gateway_1", "gw.example.com."):
+        assert Config.load(env={}, overrides={"host": good}).host == good
+
+
 @pytest.mark.parametrize("token", ["", "   ", " tok", "tok ", "to\nken", "tok\x00"])
 def test_an_admin_token_is_one_a_client_can_present_never_empty(token, tmp_path):
     # Empty, it meant "no token": the admin surfaces open. With white space around it or a

@@ -289,6 +289,35 @@ def test_a_decisions_file_that_cannot_be_written_exits_2_before_the_run(tmp_path
     assert "--decisions" in result.output and "near_repeat" not in result.output
 
 
+def test_a_run_that_fails_before_its_decisions_are_written_leaves_the_last_ones_whole(tmp_path):
+    # --decisions was emptied as the options were read: a run that then failed (a bad pairs
+    # file, exit 2) or was stopped left an empty file where the last run's rows were.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    decisions = tmp_path / "decisions.jsonl"
+    assert _eval("--pairs", str(pairs), "--decisions", str(decisions)).exit_code == 0
+    kept = decisions.read_text()
+    assert kept.count("\n") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": "x"}\n')
+    result = _eval("--pairs", str(bad), "--decisions", str(decisions))
+    assert result.exit_code == 2 and decisions.read_text() == kept, result.output
+    # A new file is not made by a run that fails: nothing half-written left.
+    fresh = tmp_path / "fresh.jsonl"
+    assert _eval("--pairs", str(bad), "--decisions", str(fresh)).exit_code == 2
+    assert not fresh.exists()
+
+
+def test_a_decisions_file_that_is_a_pairs_file_is_refused_and_left_whole(tmp_path):
+    # (The same path given to both: the labeled pairs were emptied, then "no pairs".)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    before = pairs.read_text()
+    result = _eval("--pairs", str(pairs), "--decisions", str(pairs))
+    assert result.exit_code == 2 and "--decisions" in result.output, result.output
+    assert "also a --pairs file" in result.output and pairs.read_text() == before
+
+
 def test_eval_semantic_takes_the_threshold_from_carpool_semantic_threshold(tmp_path, monkeypatch):
     # It read only its flags: CARPOOL_SEMANTIC__THRESHOLD=0.99 (and the file's semantic
     # settings) were ignored, and it scored a cache other than the one configured.

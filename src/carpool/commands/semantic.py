@@ -12,8 +12,9 @@ used. Which prompts are compared by meaning at all is read from the same config
 (``semantic.english_only``, ``scripts``, ``max_text_chars``, ``fingerprint``), as the gateway
 reads it. It always embeds with the local model (``semantic.embedder: upstream`` is not
 scored). A bad config, a folder without its files, or pairs files with no pair to score, or a
-``--decisions`` file that cannot be opened (before the run), exit 2 saying which; one that
-cannot be written (a full disk) exits 1 saying so. ``fetch-model`` is the only thing that ever
+``--decisions`` file that cannot be opened or is a ``--pairs`` file (before the run), exit 2
+saying which; one that cannot be written (a full disk) exits 1 saying so. It is written once
+every pair is scored: a run that fails or is stopped before leaves the file as it was. ``fetch-model`` is the only thing that ever
 downloads the model: it checks the SHA-256 digests and prints the directory (exit 1 when the
 download fails or a digest differs: the bytes refused are deleted from the cache, so that the
 next run downloads them afresh).
@@ -21,8 +22,9 @@ next run downloads them afresh).
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, TextIO
+from typing import Any
 
 import click
 from pydantic import ValidationError
@@ -69,11 +71,9 @@ def _as_judge_setting(field: str) -> Any:
 )
 @click.option(
     "--decisions",
-    # Opened as the options are read: a file that cannot be written is a usage error (exit 2)
-    # before the run, not a traceback after it.
-    type=click.File("w", encoding="utf-8", lazy=False),
+    type=click.Path(dir_okay=False),
     default=None,
-    help="Write one JSONL row per pair with its decision.",
+    help="Write one JSONL row per pair with its decision (once every pair is scored).",
 )
 @click.option(
     "--threshold",
@@ -140,7 +140,7 @@ def _as_judge_setting(field: str) -> Any:
 def eval_semantic(
     config_file: str | None,
     pair_files: tuple[str, ...],
-    decisions: TextIO | None,
+    decisions: str | None,
     threshold: float | None,
     verifier_threshold: float | None,
     sweep: bool,
@@ -152,6 +152,8 @@ def eval_semantic(
     verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
+    if decisions is not None:
+        _check_decisions(decisions, pair_files)
     # The settings as `carpool serve` would read them (the file, the variables); a flag given
     # wins. Read first: a bad config exits 2 before any model loads.
     flags = {
@@ -222,15 +224,37 @@ def eval_semantic(
                 f"{percent(row['hit_rate']):>9}{percent(row['wrong_rate']):>8}"
             )
     if decisions is not None:
-        # Written after the report: a disk that fills up here (or at the flush, the rows still
+        # Written after the report: a disk that fills up here (or at the close, the rows still
         # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.
         try:
-            write_decisions(evaluator, threshold, decisions, None, judge)
-            decisions.flush()
-            decisions.close()
+            with open(decisions, "w", encoding="utf-8") as out:
+                write_decisions(evaluator, threshold, out, None, judge)
         except OSError as error:
-            click.echo(f"carpool: cannot write --decisions {decisions.name}: {error}", err=True)
+            click.echo(f"carpool: cannot write --decisions {decisions}: {error}", err=True)
             sys.exit(1)
+
+
+def _check_decisions(path: str, pair_files: tuple[str, ...]) -> None:
+    """A usage error (exit 2) before the run if ``path`` cannot be written or is a ``--pairs``
+    file; the file itself untouched (it was emptied as the options were read: a run that then
+    failed, or was stopped, left an empty file where the last one's rows were)."""
+    try:
+        if os.path.exists(path):
+            if any(os.path.samefile(path, pairs) for pairs in pair_files):
+                raise click.BadParameter(
+                    f"{path} is also a --pairs file: it would be written over",
+                    param_hint="--decisions",
+                )
+            with open(path, "a", encoding="utf-8"):  # (opened, nothing written)
+                pass
+        else:
+            with open(path, "x", encoding="utf-8"):
+                pass
+            os.remove(path)
+    except OSError as error:
+        raise click.BadParameter(
+            f"cannot write {path}: {error.strerror or error}", param_hint="--decisions"
+        ) from None
 
 
 @click.command("fetch-model")

@@ -83,7 +83,8 @@ class Config(Section):
     )
     host: str = Field(
         "127.0.0.1",
-        description="Address the gateway listens on. Every interface only when written: `0.0.0.0` "
+        description="Address the gateway listens on: an IP address or a host name (no scheme "
+        "or port). Every interface only when written: `0.0.0.0` "
         "or `::` (an empty host, which would mean every interface too, is refused).",
     )
     workers: int = Field(

@@ -12,7 +12,9 @@
 - ``checked_host(value)``: an address to listen on, or a ``ValueError``: empty (every interface,
   unsaid), or one no socket call could take (a NUL or another control character, a lone
   surrogate, a non-ASCII name IDNA cannot encode: a TypeError or UnicodeError traceback once
-  serve bound it). ``Config.host`` and ``carpool sim --host``.
+  serve bound it), or neither an IP address nor a host name (a scheme, a port, a path, white
+  space, a dotted quad out of range: serve failed to listen on it, check-config said ok).
+  ``Config.host`` and ``carpool sim --host``.
 - ``has_credentials(url)``: whether the URL holds a user or a password (``any_credentials``: one
   of several, remembered). An upstream's are a
   credential the gateway holds (``Config.holds_upstream_credentials``): sent as
@@ -23,6 +25,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 
 from yarl import URL
@@ -89,9 +92,30 @@ def checked_host(value: str) -> str:
         )
     if not value.isprintable():  # (NUL, a control character, a lone surrogate)
         raise ValueError("it holds a control character or a lone surrogate: no address does")
+    name = value
     if not value.isascii():
         try:
-            value.encode("idna")  # (as the socket calls encode a name that is not ASCII)
+            name = value.encode("idna").decode("ascii")  # (as the socket calls encode it)
         except UnicodeError:
             raise ValueError("no host name: IDNA cannot encode it") from None
+    try:
+        ipaddress.ip_address(name)
+        return value
+    except ValueError:
+        pass
+    # A name, then: what check-config passed and serve could never listen on ("http://host",
+    # "127.0.0.1:8080", "a b", "999.1.1.1") is said here, as serve would fail on it.
+    if len(name.rstrip(".")) > 253 or not all(
+        _LABEL.fullmatch(label) for label in name.rstrip(".").split(".")
+    ):
+        raise ValueError(
+            f"{value!r} is no address to listen on: an IP address (127.0.0.1, ::) or a host "
+            "name, with no scheme, port or path (the port is the port setting)"
+        )
+    if _NUMERIC.fullmatch(name):
+        raise ValueError(f"{value!r} is no IP address (and no host name is all numbers)")
     return value
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # a label (RFC 1123; _ as in Docker names)
+_NUMERIC = re.compile(r"[0-9.]+")
