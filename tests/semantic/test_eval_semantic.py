@@ -308,6 +308,17 @@ def test_a_run_that_fails_before_its_decisions_are_written_leaves_the_last_ones_
     assert not fresh.exists()
 
 
+def test_decisions_to_standard_output_follow_the_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (no file named "-" made here)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    result = _eval("--pairs", str(pairs), "--decisions", "-")
+    assert result.exit_code == 0, result.output
+    report, _, last = result.output.rstrip("\n").rpartition("\n")
+    assert "near_repeat" in report and json.loads(last)["category"] == "near_repeat"
+    assert not (tmp_path / "-").exists()
+
+
 def test_a_decisions_file_that_is_a_pairs_file_is_refused_and_left_whole(tmp_path):
     # (The same path given to both: the labeled pairs were emptied, then "no pairs".)
     pairs = tmp_path / "pairs.jsonl"

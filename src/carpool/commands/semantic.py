@@ -73,7 +73,8 @@ def _as_judge_setting(field: str) -> Any:
     "--decisions",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write one JSONL row per pair with its decision (once every pair is scored).",
+    help="Write one JSONL row per pair with its decision (once every pair is scored; - for "
+    "standard output, after the report).",
 )
 @click.option(
     "--threshold",
@@ -152,7 +153,7 @@ def eval_semantic(
     verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
-    if decisions is not None:
+    if decisions is not None and decisions != "-":
         _check_decisions(decisions, pair_files)
     # The settings as `carpool serve` would read them (the file, the variables); a flag given
     # wins. Read first: a bad config exits 2 before any model loads.
@@ -227,8 +228,12 @@ def eval_semantic(
         # Written after the report: a disk that fills up here (or at the close, the rows still
         # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.
         try:
-            with open(decisions, "w", encoding="utf-8") as out:
-                write_decisions(evaluator, threshold, out, None, judge)
+            if decisions == "-":  # (standard output, after the report)
+                write_decisions(evaluator, threshold, sys.stdout, None, judge)
+                sys.stdout.flush()
+            else:
+                with open(decisions, "w", encoding="utf-8") as out:
+                    write_decisions(evaluator, threshold, out, None, judge)
         except OSError as error:
             click.echo(f"carpool: cannot write --decisions {decisions}: {error}", err=True)
             sys.exit(1)
