@@ -255,7 +255,7 @@ async def _run(
                         upstream(UpstreamOptions(by_meaning=True), out / "upstream.log")
                     )
                 )
-                config = Config.model_validate(
+                config = Config.from_secrets(
                     {**meanings.audit_config(config), "upstreams": [by_meaning.url]}
                 )
             url: str = (
