@@ -565,12 +565,14 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
-@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, signal_):
     """The embedded gateway's config (the admin token, the upstream key) went to a temporary
     file that only the command's ``finally`` removed: SIGTERM (a timeout, CI cancelling) and
-    SIGKILL skipped it. SIGTERM now stops the run as Ctrl-C does: the gateway stopped, exit
-    143; and no file ever holds the config, so not even SIGKILL leaves one."""
+    SIGKILL skipped it. SIGTERM now stops the run, the gateway stopped, exit 143; Ctrl-C
+    (SIGINT, to the whole foreground group, the gateway too, as a terminal sends it) the same
+    way with 130 (it was click's "Aborted!", exit 1: a failed run's status); and no file ever
+    holds the config, so not even SIGKILL leaves one."""
     private = tmp_path / "tmp"  # this run's TMPDIR: nobody else's files in it
     private.mkdir()
     config = tmp_path / "secrets.yaml"
@@ -583,6 +585,7 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "TMPDIR": str(private)},
+        start_new_session=True,  # (its own process group: for Ctrl-C's, below)
     )
     try:
         deadline = time.monotonic() + 60
@@ -592,7 +595,10 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
             time.sleep(0.05)
         gateway = _children(bench.pid)
         assert gateway
-        bench.send_signal(signal_)
+        if signal_ == signal.SIGINT:
+            os.killpg(bench.pid, signal_)
+        else:
+            bench.send_signal(signal_)
         output = bench.communicate(timeout=60)[0].decode()
     finally:
         if bench.poll() is None:
@@ -600,9 +606,11 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
             bench.wait()
     left = [path for path in private.rglob("*") if path.is_file()]
     assert left == [], left
-    if signal_ == signal.SIGTERM:
-        assert bench.returncode == 143, output
-        assert "stopped by SIGTERM" in output and "Traceback" not in output
+    if signal_ != signal.SIGKILL:
+        assert bench.returncode == 128 + signal_, output
+        assert f"stopped by {signal_.name}; no report written" in output, output
+        assert "Traceback" not in output and "Aborted" not in output
+        assert not (out / "report.json").exists()
         assert not any(Path(f"/proc/{pid}").exists() for pid in gateway)  # stopped and reaped
 
 
