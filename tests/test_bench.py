@@ -468,6 +468,35 @@ def test_a_gateway_that_does_not_answer_is_unreachable_exit_1(tmp_path):
     assert "Traceback" not in output
 
 
+@pytest.mark.parametrize("name", ["requests.jsonl", "report.json", "gateway.log"])
+def test_an_out_folder_whose_report_would_overwrite_the_workload_file_is_refused(tmp_path, name):
+    """``--out DIR --workload-file DIR/requests.jsonl`` replaced the workload with the
+    per-request results (then unreadable as a workload): refused, exit 2, the file intact."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = _write(out / name, [{"body": _HI}, {"body": _HI}])
+    before = path.read_bytes()
+    code, output = _bench("--workload-file", str(path), "--out", str(out))
+    assert code == 2, output
+    assert len(output.strip().splitlines()) == 1 and "would overwrite the workload" in output
+    assert path.read_bytes() == before
+
+
+def test_a_run_starts_by_removing_an_earlier_reports_files_and_only_those(tmp_path):
+    """A run into a folder of an earlier report that ended without one (stopped, or its gateway
+    unreachable) left the earlier report.json, report.md and plots beside its own gateway.log,
+    reading as this run's: they go as the run starts; the folder's other files stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = ["report.json", "report.md", "requests.jsonl", *PNGS, "audit.png"]
+    for name in [*earlier, "gateway.log", "upstream.log", "notes.txt", "report.json.bak"]:
+        (out / name).write_text("earlier")
+    url = f"http://127.0.0.1:{process.free_port()}"
+    code, output = _bench("--url", url, "--requests", "5", "--out", str(out))
+    assert code == 1, output  # (the gateway unreachable: no report written)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "report.json.bak"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -565,17 +594,21 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
-@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signal_", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, signal_):
     """The embedded gateway's config (the admin token, the upstream key) went to a temporary
     file that only the command's ``finally`` removed: SIGTERM (a timeout, CI cancelling) and
-    SIGKILL skipped it. SIGTERM now stops the run as Ctrl-C does: the gateway stopped, exit
-    143; and no file ever holds the config, so not even SIGKILL leaves one."""
+    SIGKILL skipped it. SIGTERM now stops the run, the gateway stopped, exit 143; Ctrl-C
+    (SIGINT, to the whole foreground group, the gateway too, as a terminal sends it) the same
+    way with 130 (it was click's "Aborted!", exit 1: a failed run's status); and no file ever
+    holds the config, so not even SIGKILL leaves one."""
     private = tmp_path / "tmp"  # this run's TMPDIR: nobody else's files in it
     private.mkdir()
     config = tmp_path / "secrets.yaml"
     config.write_text("admin_token: TOPSECRET-ADMIN\nupstream:\n  api_key: sk-REAL-UPSTREAM-KEY\n")
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")  # an earlier run's: never read as this one's
     command = [sys.executable, "-m", "carpool.cli", "bench", "--config", str(config)]
     command += ["--requests", "3000", "--rate", "20", "--out", str(out), "--no-progress"]
     bench = subprocess.Popen(
@@ -583,6 +616,7 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "TMPDIR": str(private)},
+        start_new_session=True,  # (its own process group: for Ctrl-C's, below)
     )
     try:
         deadline = time.monotonic() + 60
@@ -592,7 +626,10 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
             time.sleep(0.05)
         gateway = _children(bench.pid)
         assert gateway
-        bench.send_signal(signal_)
+        if signal_ == signal.SIGINT:
+            os.killpg(bench.pid, signal_)
+        else:
+            bench.send_signal(signal_)
         output = bench.communicate(timeout=60)[0].decode()
     finally:
         if bench.poll() is None:
@@ -600,9 +637,11 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
             bench.wait()
     left = [path for path in private.rglob("*") if path.is_file()]
     assert left == [], left
-    if signal_ == signal.SIGTERM:
-        assert bench.returncode == 143, output
-        assert "stopped by SIGTERM" in output and "Traceback" not in output
+    if signal_ != signal.SIGKILL:
+        assert bench.returncode == 128 + signal_, output
+        assert f"stopped by {signal_.name}; no report written" in output, output
+        assert "Traceback" not in output and "Aborted" not in output
+        assert not (out / "report.json").exists()
         assert not any(Path(f"/proc/{pid}").exists() for pid in gateway)  # stopped and reaped
 
 

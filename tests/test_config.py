@@ -586,15 +586,45 @@ def _accepted(overrides: dict[str, Any]) -> Config | None:
 )
 def test_a_worker_rebuilds_exactly_the_config_its_parent_validated(overrides, tmp_path):
     """`carpool serve --workers N` writes the config it validated to a file each worker loads
-    (``resolved_text``, then ``Config.load(file, env={})``): every config check-config accepts
+    (``resolved_text``, then ``load_resolved(file)``): every config check-config accepts
     comes back equal, with the same keys given (a validator may tell them from defaults)."""
-    from carpool.config.loader import resolved_text
+    from carpool.config.loader import load_resolved, resolved_text
 
     config = Config.load(env={}, overrides=overrides)
     path = tmp_path / "resolved.yaml"
     path.write_text(resolved_text(config), encoding="ascii")
-    loaded = Config.load(path, env={})
+    loaded = load_resolved(path)
     assert loaded == config and loaded.with_secrets() == config.with_secrets()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"upstream": {"api_key": "${TEST_HELD_MYKEY}"}},
+        {"upstreams": ["http://a/v1"], "upstream": {"api_keys": ["${TEST_HELD_MYKEY}"]}},
+        {"semantic": {"judge": {"api_key": "${TEST_HELD_MYKEY}"}}},
+        {"semantic": {"embedder_api_key": "${TEST_HELD_MYKEY}"}},
+    ],
+)
+def test_a_child_takes_a_resolved_key_that_looks_like_a_variable_as_it_is(
+    overrides, monkeypatch, tmp_path
+):
+    """Every held key's ``${NAME}`` is read once, where the config is loaded: a value that looks
+    like ``${OTHER}`` is that key in a worker (its file) and the bench's embedded gateway (its
+    data) too, never a variable's name read a second time ("OTHER ... is not set")."""
+    from carpool.config.loader import load_resolved, resolved_text
+
+    monkeypatch.setenv("TEST_HELD_MYKEY", "${TEST_HELD_OTHER}")
+    monkeypatch.delenv("TEST_HELD_OTHER", raising=False)
+    config = Config.load(env={}, overrides=overrides)
+    path = tmp_path / "resolved.yaml"
+    path.write_text(resolved_text(config), encoding="ascii")
+    for rebuilt in (load_resolved(path), Config.from_secrets(config.with_secrets())):
+        assert rebuilt == config and rebuilt.with_secrets() == config.with_secrets()
+        assert "${TEST_HELD_OTHER}" in str(rebuilt.with_secrets())
+    # The key is read from the environment where the config is first loaded, as before.
+    monkeypatch.setenv("TEST_HELD_OTHER", "sk-other")
+    assert "sk-other" not in str(load_resolved(path).with_secrets())
 
 
 def test_a_worker_rebuilds_exactly_the_config_its_parent_validated_whatever_the_config(
@@ -606,7 +636,7 @@ def test_a_worker_rebuilds_exactly_the_config_its_parent_validated_whatever_the_
     from hypothesis import HealthCheck, assume, given, settings
     from hypothesis import strategies as st
 
-    from carpool.config.loader import resolved_text
+    from carpool.config.loader import load_resolved, resolved_text
 
     folder = tmp_path_factory.mktemp("resolved")
 
@@ -624,7 +654,7 @@ def test_a_worker_rebuilds_exactly_the_config_its_parent_validated_whatever_the_
             config.distributed.cluster = True
         path = folder / "resolved.yaml"
         path.write_text(resolved_text(config), encoding="ascii")
-        loaded = Config.load(path, env={})
+        loaded = load_resolved(path)
         assert loaded == config and loaded.with_secrets() == config.with_secrets()
 
     rebuilt()

@@ -179,3 +179,29 @@ async def test_text_outside_the_bmp_reaches_every_worker_intact(fake, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_held_key_whose_value_looks_like_a_variable_reaches_the_upstream_from_workers(
+    fake, tmp_path
+):
+    """`upstream.api_key: ${MYKEY}` with MYKEY='${OTHER}': check-config and one process took the
+    key `${OTHER}`, but the parent wrote it to the workers' file and they read it as a variable's
+    name again: "environment variable OTHER ... is not set", exit 2, no worker started."""
+    config = tmp_path / "w.yaml"
+    config.write_text("upstream:\n  api_key: ${TEST_HELD_MYKEY}\n")
+    env = {**serve_env(), "TEST_HELD_MYKEY": "${TEST_HELD_OTHER}"}
+    env.pop("TEST_HELD_OTHER", None)
+    port = free_port()
+    log = tmp_path / "workers.log"
+    args = ["--config", str(config), "--upstream", fake.url, "--port", str(port), "--workers", "2"]
+    proc = start_serve(args, env, log)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            await until_serving(client, proc, log)
+            body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}]}
+            answer = await client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert fake.calls[-1].headers["authorization"] == "Bearer ${TEST_HELD_OTHER}"
+    finally:
+        proc.terminate()
+        proc.wait(10)

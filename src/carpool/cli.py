@@ -55,7 +55,7 @@ from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
-from .config.loader import PARENT_VARIABLE, resolved_text
+from .config.loader import PARENT_VARIABLE, load_resolved, resolved_text
 from .config.urls import without_credentials
 from .logs import configure as configure_logging
 
@@ -328,7 +328,7 @@ def _workers_load(path: str, config: Config) -> None:
     unless it is ``config``: a worker that cannot start is restarted by uvicorn for ever, the
     port never served, and nothing said but in each worker's traceback."""
     try:
-        loaded = Config.load(path, env={})
+        loaded = load_resolved(path)
     except ConfigError as error:
         click.echo(
             f"carpool: the workers could not load the config written for them: {error}", err=True

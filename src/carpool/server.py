@@ -144,8 +144,7 @@ from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH, Api, api_at
 from .auth import ClientKeys, presents
-from .config import Config
-from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE
+from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, load_resolved
 from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
@@ -893,8 +892,9 @@ def create_worker_app() -> GatewayApp:
     the parent resolved (flags over ``CARPOOL_*`` over its file), written so that it reads back
     as exactly that config (``config.loader.resolved_text``; the parent checked that it does
     before starting any worker): read alone, not under the environment again (a variable beat
-    a flag in every worker)."""
-    config = Config.load(os.environ.get("CARPOOL_CONFIG"), env={})
+    a flag in every worker), its held keys as they were resolved (``load_resolved``: a key that
+    looks like ``${OTHER}`` is not read from the environment a second time)."""
+    config = load_resolved(os.environ.get(CONFIG_FILE_VARIABLE))
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
     grace_cut_at_info()  # (uvicorn's own server stops this worker: its cut at INFO too)
     _leave_with_parent(os.environ.get(PARENT_VARIABLE))

@@ -76,7 +76,7 @@ def main() -> None:
     from ..server import create_app
     from ..wiring import build_gateway
 
-    config = Config.model_validate(json.loads(sys.stdin.buffer.readline()))
+    config = Config.from_secrets(json.loads(sys.stdin.buffer.readline()))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
         gateway = build_gateway(config)

@@ -28,6 +28,10 @@ from typing import TYPE_CHECKING, Any, cast
 from . import stats
 from .replay import Result, Run
 
+# The files ``draw`` and ``audit`` write.
+DRAWN = ("outcomes_over_time.png", "latency_cdf.png", "upstream_vs_oracle.png")
+AUDIT = "audit.png"
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -68,11 +72,12 @@ def draw(run: Run, needs_call: Sequence[bool], out: Path) -> list[str]:
 
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    for name, figure in (
-        ("outcomes_over_time.png", _outcomes(plt, run, outcome_of)),
-        ("latency_cdf.png", _latency(plt, run, outcome_of)),
-        ("upstream_vs_oracle.png", _calls(plt, run, needs_call)),
-    ):
+    figures = (
+        _outcomes(plt, run, outcome_of),
+        _latency(plt, run, outcome_of),
+        _calls(plt, run, needs_call),
+    )
+    for name, figure in zip(DRAWN, figures, strict=True):
         figure.savefig(out / name, dpi=110, bbox_inches="tight")
         plt.close(figure)
         names.append(name)
@@ -236,9 +241,9 @@ def audit(graded: dict[str, Any], out: Path) -> str:
     ax.set_xlabel("requests (send order)")
     ax.set_ylabel("cumulative")
     ax.legend()
-    figure.savefig(out / "audit.png", dpi=110, bbox_inches="tight")
+    figure.savefig(out / AUDIT, dpi=110, bbox_inches="tight")
     plt.close(figure)
-    return "audit.png"
+    return AUDIT
 
 
 def state_lines(ax: Axes, changes: Sequence[dict[str, Any]]) -> None:

@@ -34,6 +34,11 @@ Contract:
   fragment does not repeat the URL), ``EmbeddedError`` or ``GatewayUnreachable`` (exit 1: a gateway that did not start or
   answer). A run that fails removes the ``out`` directory it created when nothing was written
   in it (a ``gateway.log`` stays, with the directory).
+- ``out`` is checked and cleared as the run starts, before anything is written there: a
+  ``workload_file`` that one of the files a run writes (``REPORT_FILES``) would overwrite is a
+  ``WorkloadError``; then those files, an earlier run's, are removed (only those names), so
+  that a run that ends without a report (stopped, its gateway unreachable) leaves none that
+  reads as its own.
 - ``workload`` (None: ``DEFAULT_WORKLOAD``) and ``seed`` (None: 0) choose a built-in workload: given
   with ``workload_file`` they are a ``WorkloadError`` (``_check_spec``), and a recorded run's
   ``params.seed`` is None.
@@ -52,6 +57,7 @@ import contextlib
 import datetime as _dt
 import functools
 import math
+import os
 import statistics
 import urllib.parse
 from dataclasses import dataclass, field
@@ -69,6 +75,18 @@ from .synthetic import synthetic
 from .upstream import Options as UpstreamOptions
 from .upstream import upstream
 from .workloads import Workload, WorkloadError, traits
+
+# Every file a run may write to ``out``: the report (``report``, ``plots``) and the logs of the
+# children it starts.
+REPORT_FILES = (
+    "report.json",
+    "report.md",
+    "requests.jsonl",
+    *plots.DRAWN,
+    plots.AUDIT,
+    "gateway.log",
+    "upstream.log",
+)
 
 DEFAULT_RATE = 40.0
 DEFAULT_WORKLOAD = "mixed"
@@ -221,6 +239,7 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
     workload = build_workload(options)
     arrivals = arrival_times(workload, options)
     out = options.out
+    _check_out(out, options.workload_file)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -228,6 +247,13 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
         raise WorkloadError(
             f"--out {out}: cannot create the report directory ({error.strerror or error})"
         ) from None
+    for name in REPORT_FILES:  # (an earlier run's: see the contract)
+        try:
+            (out / name).unlink(missing_ok=True)
+        except OSError as error:
+            raise WorkloadError(
+                f"--out {out}: cannot remove an earlier run's {name} ({error.strerror or error})"
+            ) from None
     try:
         return await _run(options, gateway_url, workload, arrivals, audit)
     except BaseException:
@@ -235,6 +261,20 @@ async def run_bench(options: BenchOptions) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 out.rmdir()
         raise
+
+
+def _check_out(out: Path, workload_file: str | None) -> None:
+    """A ``WorkloadError`` when a file this run writes to ``out`` is the workload file (by
+    path, a link or a hard link): the run would replace its own input with its results."""
+    if workload_file is None:
+        return
+    for name in REPORT_FILES:
+        with contextlib.suppress(OSError):  # (not there: not the workload, which was read)
+            if os.path.samefile(out / name, workload_file):
+                raise WorkloadError(
+                    f"--out {out}: its {name} would overwrite the workload file "
+                    f"{workload_file}; give another --out"
+                )
 
 
 async def _run(
@@ -255,7 +295,7 @@ async def _run(
                         upstream(UpstreamOptions(by_meaning=True), out / "upstream.log")
                     )
                 )
-                config = Config.model_validate(
+                config = Config.from_secrets(
                     {**meanings.audit_config(config), "upstreams": [by_meaning.url]}
                 )
             url: str = (

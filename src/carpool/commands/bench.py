@@ -4,10 +4,10 @@ Contract: the run itself is ``carpool.bench.runner.run_bench`` (its contract say
 writes); here only the flags, the summary printed (with the commonest errors, when requests
 failed, and for a 401 how the workload's tenants authenticate), and the exit statuses: 2 for a
 workload or options the user can fix, 1 for a gateway that could not be started or reached and
-for a run in which every request failed (its report is written all the same), 143 when SIGTERM
-stopped the run. SIGTERM (a timeout, a CI job cancelled) stops it as Ctrl-C does: the run is
-cancelled, so the children it started (the embedded gateway, the audit's upstream) are stopped on
-the way out rather than left to notice that their stdin closed; no report is written.
+for a run in which every request failed (its report is written all the same), 130 when SIGINT
+(Ctrl-C) stopped the run and 143 when SIGTERM (a timeout, a CI job cancelled) did. Either signal
+cancels the run, so the children it started (the embedded gateway, the audit's upstream) are
+stopped on the way out rather than left to notice that their stdin closed; no report is written.
 """
 
 from __future__ import annotations
@@ -150,11 +150,13 @@ def bench(
         config_file=config_file,
         spec={"tenants": tenants, "duplicate_rate": duplicate_rate, "stream_share": stream_share},
     )
+    stopped_by: list[signal.Signals] = []
     try:
-        report = asyncio.run(_stopped_by_sigterm(run_bench(options)))
+        report = asyncio.run(_stopped_by_signal(run_bench(options), stopped_by))
     except asyncio.CancelledError:
-        click.echo("carpool bench: stopped by SIGTERM; no report written", err=True)
-        sys.exit(128 + signal.SIGTERM)
+        signum = stopped_by[0] if stopped_by else signal.SIGTERM
+        click.echo(f"carpool bench: stopped by {signum.name}; no report written", err=True)
+        sys.exit(128 + signum)
     except WorkloadError as error:
         click.echo(f"carpool bench: {error}", err=True)
         sys.exit(2)
@@ -206,12 +208,21 @@ def _print_errors(report: dict[str, Any], tenant_header: str, synthetic: bool) -
         click.echo(f"carpool bench: HTTP 401: {sent}", err=True)
 
 
-async def _stopped_by_sigterm(run: Any) -> Any:
-    """``run``, cancelled on SIGTERM: its ``finally`` blocks stop what it started (the default
-    action ended this process there and then)."""
+async def _stopped_by_signal(run: Any, stopped_by: list[signal.Signals]) -> Any:
+    """``run``, cancelled on SIGINT or SIGTERM (each signal received is added to
+    ``stopped_by``): its ``finally`` blocks stop what it started. SIGTERM's default action ended
+    this process there and then; SIGINT's KeyboardInterrupt ended it as a failure (click's
+    "Aborted!", exit 1)."""
     task = asyncio.current_task()
     assert task is not None
-    # (No signal handlers on this platform, or not in the main thread: a test's CliRunner.)
-    with contextlib.suppress(NotImplementedError, RuntimeError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+
+    def stop(signum: signal.Signals) -> None:
+        stopped_by.append(signum)
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # (No signal handlers on this platform, or not in the main thread: a test's CliRunner.)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop, signum)
     return await run

@@ -36,9 +36,11 @@ Contract:
   section (``CARPOOL_UPSTREAM``, the flag's name, or ``upstream:`` in the file) asks whether
   ``upstreams`` was meant, by the name of the source it came from (``_NEAR_MISSES``).
 - ``resolved_text(config)``: the file from which a child process (a worker of ``carpool serve
-  --workers N``) rebuilds exactly ``config`` with ``load(path, env={})``: the keys given
+  --workers N``) rebuilds exactly ``config`` with ``load_resolved(path)``: the keys given
   (``Config.with_secrets``) as YAML, every character outside ASCII escaped, so that what is read
-  back is what was written, whatever the text.
+  back is what was written, whatever the text. It holds values, not their sources: read alone
+  (no environment), each held key as written (a resolved key that looks like ``${OTHER}`` is
+  that key, never a variable's name again: ``upstream.keys_resolved``).
 
 pydantic-settings finds the variables of each field (prefix, ``__`` nesting, case) and merges the
 sources in order (``settings_customise_sources``); what is carpool's own is above: YAML values
@@ -68,6 +70,7 @@ from pydantic_settings import (
 
 from .base import ConfigError
 from .model import Config
+from .upstream import keys_resolved
 from .urls import without_credentials
 
 ENV_PREFIX = "CARPOOL_"
@@ -118,8 +121,15 @@ def _types_in_lower_case(values: Mapping[str, Any]) -> dict[str, Any]:
     return {**values, "cache": {**cache, "types": lowered}}
 
 
+def load_resolved(path: str | Path | None) -> Config:
+    """The config written by ``resolved_text`` to ``path``, as a child process rebuilds it (the
+    module contract)."""
+    with keys_resolved():
+        return load(path, env={})
+
+
 def resolved_text(config: Config) -> str:
-    """``config`` as the text of a file that ``load(path, env={})`` reads back as exactly it
+    """``config`` as the text of a file that ``load_resolved(path)`` reads back as exactly it
     (the module contract): its secrets included, so only for a 0600 file."""
     # PyYAML writes what PyYAML reads: escaped, a string outside the BMP or with a YAML line
     # break in it comes back whole (JSON's surrogate-pair escapes came back as two lone

@@ -6,8 +6,8 @@ upstream and distributed; ``ttl_for`` is the one rule that reads the cache's TTL
 ``holds_upstream_credentials`` the one that says whether the gateway holds the credential its
 replicas are called with (a key, ``upstream.api_key``/``api_keys``, or a user and password in
 an upstream URL): then pass-through reaches only /v1/models unless ``passthrough.allow`` is set.
-``with_secrets`` is what a child process rebuilds exactly this config from: the keys given (a
-validator may tell them from defaults), secrets included. The top-level keys that could never
+``with_secrets`` is what a child process rebuilds exactly this config from (``from_secrets``): the
+keys given (a validator may tell them from defaults), secrets included, each held key resolved. The top-level keys that could never
 work are refused: an empty ``host`` (every interface, unsaid) or one no socket could take
 (``urls.checked_host``), an ``admin_token`` that is empty or that no header could carry.
 """
@@ -31,7 +31,7 @@ from .perimeter import (
     ShutdownConfig,
     TenantConfig,
 )
-from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig
+from .upstream import BatchingConfig, RoutingConfig, SimConfig, UpstreamConfig, keys_resolved
 from .urls import any_credentials, checked_host, checked_url
 
 
@@ -214,6 +214,14 @@ class Config(Section):
         that a validator that tells a given value from a default (``coalesce``'s bound, the
         held key's ``passthrough.allow``) decides in the child as it did here."""
         return _given(self)
+
+    @classmethod
+    def from_secrets(cls, data: Mapping[str, Any]) -> Config:
+        """The config ``data`` (``with_secrets``, perhaps changed) describes: its held keys are
+        values already, taken as they are (``upstream.keys_resolved``), even one that looks like
+        ``${NAME}``."""
+        with keys_resolved():
+            return cls.model_validate(data)
 
     def ttl_for(self, request_type: str | None) -> float:
         """Seconds an answer of ``request_type`` may be stored (0 = never)."""

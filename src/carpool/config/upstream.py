@@ -3,12 +3,17 @@ what is asked of a streaming upstream, and the embedded simulated engine.
 
 Contract: every tunable of these layers lives here, with its unit and default in its description
 (the config reference, docs/config.md, is generated from them); the layers are built from these
-fields. Durations are seconds unless the name ends in ``_ms``.
+fields. Durations are seconds unless the name ends in ``_ms``. A held key's ``${NAME}`` is read
+from the environment once, where the config is first loaded (``held_key``); a child process
+rebuilding that config takes each key as it was resolved (``keys_resolved``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -286,15 +291,35 @@ class SimConfig(Section):
     )
 
 
+# Whether a held key's ``${NAME}`` names a variable: not while a child process rebuilds the
+# config its parent resolved (``keys_resolved``).
+_EXPANDING: ContextVar[bool] = ContextVar("carpool_expanding_held_keys", default=True)
+
+
+@contextmanager
+def keys_resolved() -> Iterator[None]:
+    """For the block, a held key is taken as it is written, never read from the environment:
+    for the config a parent resolved, rebuilt in a child (a ``carpool serve`` worker, the bench's
+    embedded gateway). Its keys are values already; one that looks like ``${OTHER}`` (a
+    variable's value may) would be expanded a second time, or refused as a variable not set."""
+    token = _EXPANDING.set(False)
+    try:
+        yield
+    finally:
+        _EXPANDING.reset(token)
+
+
 def held_key(value: Any) -> Any:
-    """A key the gateway holds: ``${NAME}`` is the environment variable's value. An error when
+    """A key the gateway holds: ``${NAME}`` is the environment variable's value (unless the
+    config is being rebuilt from resolved values: ``keys_resolved``). An error when
     it is not set, or when the key is empty: an empty key would silently mean "no key held",
     and the clients' own credentials would then go upstream (a secret that was not mounted).
     An error too when the key has white space around it or a control character (a secret file's
     trailing newline): no header can carry it, so every call would fail (as ``admin_token``).
     The message names the variable, never the value."""
     variable = ""
-    if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
+    named = isinstance(value, str) and value.startswith("${") and value.endswith("}")
+    if named and _EXPANDING.get():
         name = value[2:-1]
         variable = f"the environment variable {name} (named by ${{{name}}})"
         if name not in os.environ:
