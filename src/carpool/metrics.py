@@ -14,8 +14,9 @@ Contract:
   ``carpool_request_duration_seconds``'s count per outcome is ``carpool_requests_total``'s
   (but for a keyed list, whose items are counted each, timed once).
 - ``tokens_saved`` counts only the tokens the upstream reported (``usage``) for the answers that
-  hits and joiners got, prompt + completion (``Api.usage_tokens``: a message's prompt-cache
-  tokens, which Anthropic counts apart from ``input_tokens``, included);
+  hits and joiners got (not a semantic hit whose audit asks the engine again), prompt +
+  completion (``Api.usage_tokens``: a message's prompt-cache tokens, which Anthropic counts
+  apart from ``input_tokens``, included);
   ``saved_without_usage`` counts those answers it reported none for, so ``tokens_saved`` is a
   lower bound whenever that is not 0.
 - ``upstream_calls`` counts every attempt sent to a replica (``ReplicaSet.attempts``): a

@@ -44,8 +44,8 @@ Contract:
   ``usage`` because the engine reported none carries ``x-carpool-usage: missing``; nothing is
   invented. One whose ``usage`` is its share of a merged embeddings call's carries
   ``x-carpool-usage: apportioned`` (``Answer.usage_apportioned``). ``tokens_saved`` counts what the engine reported for the answers of hits and
-  joiners (streaming joiners once their stream ended whole); ``saved_without_usage`` counts the
-  others.
+  joiners (streaming joiners once their stream ended whole; not a semantic hit whose audit asks
+  the engine again); ``saved_without_usage`` counts the others.
 - With ``redis``, identical requests on different instances share one call too: the lead of each
   instance's flight leads it for all of them or relays it from the instance that does
   (``redis/flights.py``); whatever Redis does, the flight still gets its answer. A client

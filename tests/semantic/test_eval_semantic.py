@@ -319,6 +319,35 @@ def test_decisions_to_standard_output_follow_the_report(tmp_path, monkeypatch):
     assert not (tmp_path / "-").exists()
 
 
+def test_decisions_to_a_fifo_reach_its_reader(tmp_path):
+    # (Checked by an open and a close before the run, the reader read that close as the end,
+    # and the write at the end waited for a reader for ever.)
+    import os
+    import threading
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    fifo = tmp_path / "decisions"
+    os.mkfifo(fifo)
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.append(fifo.read_text()), daemon=True)
+    reader.start()
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "carpool.cli", "eval-semantic"),
+            *("--pairs", str(pairs), "--decisions", str(fifo)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    reader.join(timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert len(read) == 1 and json.loads(read[0])["category"] == "near_repeat", read
+
+
 def test_a_decisions_file_that_is_a_pairs_file_is_refused_and_left_whole(tmp_path):
     # (The same path given to both: the labeled pairs were emptied, then "no pairs".)
     pairs = tmp_path / "pairs.jsonl"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import click
 from pydantic import ValidationError
@@ -153,8 +153,9 @@ def eval_semantic(
     verifier_dir: str | None,
 ) -> None:
     """Score the semantic cache's hit/miss decisions on labeled prompt pairs."""
-    if decisions is not None and decisions != "-":
-        _check_decisions(decisions, pair_files)
+    # A file not regular (a FIFO, a device) is opened now, once, as a reader waits on it;
+    # a regular one is checked now and written at the end.
+    opened = _check_decisions(decisions, pair_files) if decisions not in (None, "-") else None
     # The settings as `carpool serve` would read them (the file, the variables); a flag given
     # wins. Read first: a bad config exits 2 before any model loads.
     flags = {
@@ -232,17 +233,19 @@ def eval_semantic(
                 write_decisions(evaluator, threshold, sys.stdout, None, judge)
                 sys.stdout.flush()
             else:
-                with open(decisions, "w", encoding="utf-8") as out:
+                with opened or open(decisions, "w", encoding="utf-8") as out:
                     write_decisions(evaluator, threshold, out, None, judge)
         except OSError as error:
             click.echo(f"carpool: cannot write --decisions {decisions}: {error}", err=True)
             sys.exit(1)
 
 
-def _check_decisions(path: str, pair_files: tuple[str, ...]) -> None:
+def _check_decisions(path: str, pair_files: tuple[str, ...]) -> TextIO | None:
     """A usage error (exit 2) before the run if ``path`` cannot be written or is a ``--pairs``
-    file; the file itself untouched (it was emptied as the options were read: a run that then
-    failed, or was stopped, left an empty file where the last one's rows were)."""
+    file; a regular file itself untouched (it was emptied as the options were read: a run that
+    then failed, or was stopped, left an empty file where the last one's rows were). A file
+    that is not regular (a FIFO: opened and closed, its reader would have read its end) is
+    returned open."""
     try:
         if os.path.exists(path):
             if any(os.path.samefile(path, pairs) for pairs in pair_files):
@@ -250,12 +253,15 @@ def _check_decisions(path: str, pair_files: tuple[str, ...]) -> None:
                     f"{path} is also a --pairs file: it would be written over",
                     param_hint="--decisions",
                 )
+            if not os.path.isfile(path):
+                return open(path, "w", encoding="utf-8")  # noqa: SIM115  (written at the end)
             with open(path, "a", encoding="utf-8"):  # (opened, nothing written)
                 pass
         else:
             with open(path, "x", encoding="utf-8"):
                 pass
             os.remove(path)
+        return None
     except OSError as error:
         raise click.BadParameter(
             f"cannot write {path}: {error.strerror or error}", param_hint="--decisions"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
+import socket
 
 from yarl import URL
 
@@ -113,7 +114,12 @@ def checked_host(value: str) -> str:
             "name, with no scheme, port or path (the port is the port setting)"
         )
     if _NUMERIC.fullmatch(name):
-        raise ValueError(f"{value!r} is no IP address (and no host name is all numbers)")
+        try:
+            socket.inet_aton(name)  # ("127.1", "0", "2130706433": IPv4 as the socket calls read it)
+        except OSError:
+            raise ValueError(
+                f"{value!r} is no IPv4 address (and no host name is all numbers)"
+            ) from None
     return value
 
 
