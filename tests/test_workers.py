@@ -205,3 +205,37 @@ async def test_a_held_key_whose_value_looks_like_a_variable_reaches_the_upstream
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_the_bench_against_workers_reports_the_runs_upstream_calls_not_one_workers(
+    fake, tmp_path
+):
+    """`carpool bench --url` read the /stats of whichever worker answered: its upstream calls
+    only, while each key's call is made by the worker that owns it (119 counted, 238 made)."""
+    import asyncio
+    import json
+
+    from click.testing import CliRunner
+
+    from carpool.cli import main
+
+    port = free_port()
+    log = tmp_path / "workers.log"
+    proc = start_serve(
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"], serve_env(), log
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            await until_serving(client, proc, log)
+        before = fake.count()
+        out = tmp_path / "bench"
+        args = ["bench", "--url", f"http://127.0.0.1:{port}", "--requests", "120"]
+        args += ["--rate", "300", "--out", str(out), "--no-progress"]
+        result = await asyncio.to_thread(CliRunner().invoke, main, args)
+        assert result.exit_code == 0, result.output
+        report = json.loads((out / "report.json").read_text())
+        made = fake.count() - before
+        assert made > 0 and report["upstream_calls"] == made, (report["upstream_calls"], made)
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -4,7 +4,9 @@ Contract:
 - ``replay(workload, url, arrivals=..., concurrency=...)`` sends every request of the workload
   to ``url`` (the gateway's base URL, without ``/v1``) and returns a ``Run``: one ``Result`` per
   request, in workload order, plus the gateway's ``/stats`` before, during (polled every
-  ``poll_s``) and after the run.
+  ``poll_s``) and after the run: the whole run's figures where the document has them (``run``:
+  every worker's of ``carpool serve --workers N`` summed, whichever worker answers), not the
+  answering worker's alone.
 - Open loop (``arrivals``: one offset in seconds per request): request i is sent at
   ``start + arrivals[i]`` whether or not earlier ones have been answered, as independent users
   do; the lag between the planned and the actual send is recorded. Closed loop (``concurrency``
@@ -148,7 +150,7 @@ async def replay(
         raise GatewayUnreachable(str(error)) from None
     pool, control = Pool(address), Pool(address)
     try:
-        before = await get_json(control, "/stats", admin)
+        before = _run_figures(await get_json(control, "/stats", admin))
         sim_before = await _optional_json(control, "/sim/stats", admin)
         start = time.monotonic()
         started_at = time.time()
@@ -187,7 +189,7 @@ async def replay(
             stop.set()
             await poller
         end = time.monotonic()
-        after = await get_json(control, "/stats", admin)
+        after = _run_figures(await get_json(control, "/stats", admin))
         series.append((end - start, after))
         sim_after = await _optional_json(control, "/sim/stats", admin) if sim_before else None
     finally:
@@ -214,7 +216,14 @@ async def _poll(
         except TimeoutError:
             stats = await _optional_json(control, "/stats", admin)
             if stats is not None:
-                series.append((time.monotonic() - start, stats))
+                series.append((time.monotonic() - start, _run_figures(stats)))
+
+
+def _run_figures(stats: Any) -> Any:
+    """A ``/stats`` document with its ``run``'s figures in place of the answering worker's
+    (``carpool serve --workers N``: every worker's summed), the rest (its ``pid``...) as it is."""
+    run = stats.get("run") if isinstance(stats, dict) else None
+    return {**stats, **run} if isinstance(run, dict) else stats
 
 
 async def _send(
