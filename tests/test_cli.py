@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -379,6 +380,33 @@ def test_sim_that_cannot_listen_exits_2_naming_host_and_port_before_any_replica_
             assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
             assert "'--host' / '--port'" in done.stderr and "cannot listen on" in done.stderr
             assert "replica sim-0" not in done.stdout, args
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback():
+    # `import carpool` loaded the whole gateway (~2 s on a slow machine), and an interrupt
+    # then was a KeyboardInterrupt traceback. The interrupt is sent as the import goes on:
+    # once `-X importtime` has said that pydantic (which the config's models need) loaded.
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "carpool", "sim", "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.rstrip().endswith("pydantic"):
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 130, "".join(seen[-5:]) + rest
+        assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+        assert "carpool.server" not in "".join(seen)  # (interrupted while loading: not served)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_an_empty_host_exits_2_naming_host():

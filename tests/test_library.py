@@ -57,6 +57,11 @@ def test_public_surface_is_pinned():
         "build_gateway",
         "create_app",
     }
+    # (Imported as first used: each name is there, none is another's.)
+    assert all(getattr(carpool, name).__name__ == name for name in carpool.__all__)
+    assert set(carpool.__all__) <= set(dir(carpool))
+    with pytest.raises(AttributeError):
+        carpool.no_such_name  # noqa: B018
 
 
 def test_readme_library_example_runs():
