@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("redis")
 
 from carpool.redis.connection import (  # noqa: E402
-    Background,
     PoolExhausted,
     close_client,
     connect,
@@ -108,46 +107,6 @@ def test_a_cancellation_the_client_library_swallowed_is_raised_once_its_call_end
         asyncio.run(call(False, then_fail=True))
     assert asyncio.run(call(False)) == "reply"
     assert asyncio.run(already_cancelled()) == "reply"
-
-
-async def test_background_work_is_held_until_it_ends_and_a_failure_is_logged_with_what_it_was(
-    caplog,
-):
-    background = Background("publishing a test entry")
-    go, fail = asyncio.Event(), asyncio.Event()
-
-    async def work(event: asyncio.Event, error: Exception | None) -> None:
-        await event.wait()
-        if error is not None:
-            raise error
-
-    kept = background.spawn(work(go, None))
-    failing = background.spawn(work(fail, RuntimeError("boom")))
-    assert set(background) == {kept, failing} and len(background) == 2
-    with caplog.at_level("ERROR", logger="carpool.redis"):
-        go.set()
-        fail.set()
-        await asyncio.wait({kept, failing})
-        await asyncio.sleep(0)  # (the done callbacks run in the next turn)
-    assert not background
-    failed = [r for r in caplog.records if r.getMessage() == "publishing a test entry failed"]
-    assert len(failed) == 1 and failed[0].exc_info is not None
-    assert isinstance(failed[0].exc_info[1], RuntimeError)
-
-
-async def test_background_drain_lets_work_end_for_its_grace_then_cancels_the_rest():
-    background = Background("test work")
-    quick, stuck = asyncio.Event(), asyncio.Event()
-    ended = background.spawn(quick.wait())
-    outlasting = background.spawn(stuck.wait())
-    quick.set()
-    await background.drain(0.05)
-    assert ended.done() and not ended.cancelled()
-    assert outlasting.cancelled() and not background
-    unbounded = Background("test work")
-    finishing = unbounded.spawn(asyncio.sleep(0.01))
-    await unbounded.drain(None)  # (as long as it takes)
-    assert finishing.done() and not finishing.cancelled()
 
 
 @pytest.mark.parametrize("backend", ["store", "idempotency"])

@@ -73,6 +73,7 @@ import orjson
 
 from .answer import Answer
 from .apis.openai import answer_repeats_prompt
+from .background import Background
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
 from .exchange import flight_key, without_usage
@@ -116,7 +117,7 @@ class Leader:
         self.states = layers.states  # (what a stored response's DELETE drops: ``state_index``)
         self.fetch = fetch
         self.clock = layers.clock
-        self.background: set[asyncio.Task[Any]] = set()  # semantic inserts off the path
+        self.background = Background("semantic insert", log)  # (off the flights' path)
         # An in-process store (``Store.get_now``) stores without waiting: a flight's clients
         # may reply before its answer is stored, in the same turn of the loop (``lead``).
         self.stored_at_once = getattr(self.store, "get_now", None) is not None
@@ -400,9 +401,7 @@ class Leader:
                 log.exception("semantic insert failed")
             return key.key
         # No embedding yet (none was begun): off the flight's path, not to delay its clients.
-        task = asyncio.get_running_loop().create_task(insert)
-        self.background.add(task)
-        task.add_done_callback(self._background_done)
+        self.background.spawn(insert)
         return key.key
 
     async def _insert_semantic(
@@ -444,11 +443,6 @@ class Leader:
             )
             if entry is not None and state:
                 self.states.add(state, entry=entry)
-
-    def _background_done(self, task: asyncio.Task[Any]) -> None:
-        self.background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("semantic insert failed", exc_info=task.exception())
 
 
 class _Begun:

@@ -42,17 +42,9 @@ Contract
 - :func:`connect`'s client owns its pool: :func:`close_client` closes its connections too (a
   close that outlasted the connect timeout on a busy loop is logged at debug level, its socket
   shut all the same), as every layer that owns its client does in its ``aclose``.
-- :func:`stop_reader` ends a background task that loops on Redis commands (a subscriber, a
-  stream reader): it cancels it and, while the task runs on, cancels it again every
-  ``RECANCEL_S``, until it is done. redis-py's cluster client can swallow a cancellation: the
-  command then returns as if none had come (seen: about 1 in 60 tasks cancelled in an
-  ``XREAD`` read again; an instance's shutdown then waited on it). Such loops also stop by
-  themselves once their layer is closed.
-- :class:`Background` holds a layer's work run off its callers' path (a claim taken back, a
-  flight's end or a finish tried again, an entry published): each task referenced until it
-  ends (the loop holds tasks weakly), a failure logged with what it was; ``drain(grace)``, in
-  the layer's ``aclose``, lets them end for ``grace`` seconds (None: as long as they take),
-  then stops each with :func:`stop_reader`.
+- :func:`stop_reader` and :class:`Background` (``carpool.background``'s, named here for the
+  layers of this package): a reader stopped even where redis-py's cluster client swallowed its
+  cancellation, and a layer's work off its callers' path, drained in its ``aclose``.
 - :class:`Health` is what a layer asks before a Redis call (``usable()``) and tells after it
   (``report(error or None)``): one state per instance, shared by every layer on that Redis.
   While degraded, a True from ``usable()`` is the one attempt per ``retry_interval``: the caller
@@ -78,9 +70,10 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
+from ..background import Background, stop_reader
 from ..config.urls import urls_without_credentials
 from ..store.base import StoreUnavailable
 
@@ -118,8 +111,6 @@ MAX_CONNECTIONS = 1000  # per instance; Valkey's default maxclients is 10,000
 CONNECTS_AT_ONCE = 16  # connections a pool opens at a time (``_pool_class``)
 POOL_TIMEOUT = 5.0  # s a caller may wait for a free pooled connection
 BACKOFF_MIN = 0.05  # s before a background reader's first retry after a Redis failure
-RECANCEL_S = 0.25  # s between the cancellations of a reader that runs on (stop_reader): long
-# enough for its own clean-up (a pub/sub connection closed) not to be cut by the next one
 
 
 class Backoff:
@@ -157,49 +148,6 @@ async def close_client(client: Any) -> None:
         await client.aclose()
     except (RedisError, OSError) as error:
         log.debug("closing a Redis client: %s", error)
-
-
-async def stop_reader(task: asyncio.Task[Any] | None) -> None:
-    """Cancel ``task`` until it is done (the module's contract); whatever it ended with is
-    dropped (it was being stopped)."""
-    if task is None:
-        return
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECANCEL_S)
-    if not task.cancelled():
-        task.exception()  # (retrieved: asyncio logs none at exit)
-
-
-class Background:
-    """A layer's work off its callers' path (the module's contract)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what  # (named in the log line of a task that failed)
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._ended)
-        return task
-
-    def _ended(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", self.what, exc_info=task.exception())
-
-    async def drain(self, grace: float | None) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace)
-        for task in list(self._tasks):
-            await stop_reader(task)
-
-    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
-        return iter(list(self._tasks))
-
-    def __len__(self) -> int:
-        return len(self._tasks)
 
 
 class PoolExhausted(StoreUnavailable):

@@ -238,7 +238,7 @@ class SharedFlights:
         self._frames = client.register_script(FRAMES)
         self._end = client.register_script(END)
         self._take = client.register_script(TAKE)
-        self._background = Background("shared flight cleanup")  # (claims taken back, ends)
+        self._background = Background("shared flight cleanup", log)  # (claims taken back, ends)
         self._publishers: set[_Publisher] = set()  # (of the flights led here: ``aclose``)
         self._closing = False
         self._closed = asyncio.Event()  # (set by ``aclose``: background waits end at once)

@@ -251,7 +251,7 @@ class RedisIdempotencyRecords:
         # renewal's Redis took, counted from when it was sent.
         self._held: dict[str, float] = {}
         # Finishes tried again, begins taken back:
-        self._finishing = Background("idempotency record cleanup")
+        self._finishing = Background("idempotency record cleanup", log)
         self._closing = asyncio.Event()
         self.prefix = prefix
         self.poll_max = poll_max

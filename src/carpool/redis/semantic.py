@@ -222,7 +222,7 @@ class SharedSemanticCache(SemanticCache):
         self._client = client
         self._owns_client = owns_client
         self._reader: asyncio.Task[None] | None = None
-        self._publishing = Background("publishing a semantic entry")
+        self._publishing = Background("publishing a semantic entry", log)
         self._closed = False
 
     def __repr__(self) -> str:
