@@ -6,6 +6,7 @@ import ast
 import asyncio
 import collections
 import contextlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -505,3 +506,18 @@ def test_every_lua_script_says_whether_a_full_redis_runs_it():
     assert {"carpool.redis.idempotency._BEGIN", "carpool.redis.store_layout.PUT"} <= set(scripts)
     undeclared = [name for name, text in scripts.items() if not text.startswith((GROWS, ALWAYS))]
     assert not undeclared
+
+
+def test_a_test_cluster_whose_bus_port_was_taken_meanwhile_starts_on_another():
+    # (The tests' own cluster: a bus port picked free, then bound by another process before
+    # its node started, failed the node's every attempt, a CI run's setup error.)
+    from fakes.redis_cluster import RedisCluster
+
+    cluster = RedisCluster()
+    taken = cluster.bus_ports[1]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        with cluster:  # (returns once the three nodes form the cluster: state ok)
+            assert cluster.bus_ports[1] != taken
+            assert str(cluster.bus_ports[1]) in cluster.nodes[1].extra_args

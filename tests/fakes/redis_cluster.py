@@ -58,8 +58,8 @@ class RedisCluster:
     def start(self) -> RedisCluster:
         import redis
 
-        for node in self.nodes:
-            node.start()
+        for i in range(len(self.nodes)):
+            self._start_node(i)
         clients = [redis.Redis(host=node.host, port=node.port) for node in self.nodes]
         try:
             for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
@@ -82,6 +82,24 @@ class RedisCluster:
             for client in clients:
                 client.close()
         return self
+
+    def _start_node(self, i: int, attempts: int = 5) -> None:
+        """Node ``i`` started. Its bus port was picked free when the cluster was made and is
+        bound only now: another process may have taken it meanwhile (pytest -n; seen in CI,
+        "Could not create server TCP listening socket 127.0.0.1:<bus>: bind: Address already
+        in use"), and the node's own retries pick a new client port only. Then a new bus port."""
+        node = self.nodes[i]
+        for attempt in range(1, attempts + 1):
+            try:
+                node.start()
+                return
+            except RedisServerError as error:
+                taken = f":{self.bus_ports[i]}: bind" in str(error)
+                if not taken or attempt == attempts:
+                    raise
+            self.bus_ports[i] = _free_port()
+            args = node.extra_args
+            args[args.index("--cluster-port") + 1] = str(self.bus_ports[i])
 
     @property
     def pids(self) -> list[int]:
