@@ -1,9 +1,8 @@
 """Work a layer runs off its callers' path, and how it is stopped.
 
 Contract:
-- ``Background(what, log)`` holds a layer's tasks (a semantic insert, a Redis claim taken
-  back, a flight's end or a finish tried again, an entry published): ``spawn(work)`` starts
-  ``work`` and keeps its task referenced until it ends (the loop holds tasks weakly: one
+- ``Background(what, log)`` holds a layer's tasks (a Redis claim taken back, a flight's end
+  or a finish tried again, an entry published): ``spawn(work)`` starts ``work`` and keeps its task referenced until it ends (the loop holds tasks weakly: one
   nobody referenced could be collected mid-flight); a task that failed is logged on ``log``
   ("``what`` failed", with its traceback), never left for asyncio's "exception was never
   retrieved"; a cancelled one is not. ``drain(grace)``, in the layer's ``aclose``, lets the

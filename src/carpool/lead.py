@@ -51,8 +51,7 @@ Contract:
   instance in between takes it back (``RedisStore.put``), so an invalidation that answered
   leaves no answer of a call begun before it, even one whose store was on its way.
 - With the semantic cache, the prompt is embedded while the upstream answers (unless the probe
-  did already), so that its entry too is in before the flight ends; an entry whose embedding
-  was not begun is inserted off the flight's path (``background``), not to delay its clients.
+  did already), so that its entry too is in before the flight ends (read-your-writes).
   The clients wait for an embedding begun with the call no longer than the embedder's own
   bound (``semantic.embed_timeout_ms``, from the call's start): a hung embedder delays no reply
   past it, and a prompt it failed to embed in time (a timeout is a failure) gets no entry
@@ -73,7 +72,6 @@ import orjson
 
 from .answer import Answer
 from .apis.openai import answer_repeats_prompt
-from .background import Background
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
 from .exchange import flight_key, without_usage
@@ -117,7 +115,6 @@ class Leader:
         self.states = layers.states  # (what a stored response's DELETE drops: ``state_index``)
         self.fetch = fetch
         self.clock = layers.clock
-        self.background = Background("semantic insert", log)  # (off the flights' path)
         # An in-process store (``Store.get_now``) stores without waiting: a flight's clients
         # may reply before its answer is stored, in the same turn of the loop (``lead``).
         self.stored_at_once = getattr(self.store, "get_now", None) is not None
@@ -380,28 +377,23 @@ class Leader:
             except Exception as error:
                 self.semantic.embed_failed(error)
                 return key.key
-        insert = self._insert_semantic(
-            view,
-            vector,
-            answer,
-            expires,
-            tags,
-            key.namespace,
-            prefix,
-            key.key,
-            epoch,
-            state,
-            since=begun.semantic if begun is not None else None,
-            tenant=key.tenant,
-        )
-        if vector is not None:
-            try:
-                await insert
-            except Exception:
-                log.exception("semantic insert failed")
-            return key.key
-        # No embedding yet (none was begun): off the flight's path, not to delay its clients.
-        self.background.spawn(insert)
+        try:
+            await self._insert_semantic(
+                view,
+                vector,  # (the probe's or the call's: ``embedding`` is always begun without it)
+                answer,
+                expires,
+                tags,
+                key.namespace,
+                prefix,
+                key.key,
+                epoch,
+                state,
+                since=begun.semantic if begun is not None else None,
+                tenant=key.tenant,
+            )
+        except Exception:
+            log.exception("semantic insert failed")
         return key.key
 
     async def _insert_semantic(

@@ -204,7 +204,6 @@ class Gateway:
         # The parts of the path: the upstream call, a flight's lead, a key's record.
         self.exchange = Exchange(layers)
         self.leader = Leader(layers, self.exchange.fetch)
-        self._background = self.leader.background  # semantic inserts off the flights' path
         self.once = AtMostOnce(
             layers.idempotency, self.config, self.accepted, self.stats, self._answer, layers.clock
         )
