@@ -2,12 +2,13 @@
 
 Contract:
 - ``Background(what, log)`` holds a layer's tasks (a Redis claim taken back, a flight's end
-  or a finish tried again, an entry published): ``spawn(work)`` starts ``work`` and keeps its task referenced until it ends (the loop holds tasks weakly: one
-  nobody referenced could be collected mid-flight); a task that failed is logged on ``log``
-  ("``what`` failed", with its traceback), never left for asyncio's "exception was never
-  retrieved"; a cancelled one is not. ``drain(grace)``, in the layer's ``aclose``, lets the
-  tasks still running end for ``grace`` seconds (None: as long as they take), then stops each
-  with ``stop_reader``. Iterating, ``len`` and truth read the tasks still running.
+  or a finish tried again, an entry published): ``spawn(work)`` starts ``work`` and keeps its
+  task referenced until it ends (the loop holds tasks weakly: one nobody referenced could be
+  collected mid-flight); a task that failed is logged on ``log`` ("``what`` failed", with its
+  traceback), never left for asyncio's "exception was never retrieved"; a cancelled one is
+  not. ``drain(grace)``, in the layer's ``aclose``, lets the tasks still running end for
+  ``grace`` seconds (None: as long as they take), then stops each with ``stop_reader``.
+  Iterating, ``len`` and truth read the tasks still running.
 - ``stop_reader(task)`` ends a background task (one that loops on Redis commands: a
   subscriber, a stream reader): it cancels it and, while the task runs on, cancels it again
   every ``RECANCEL_S``, until it is done; whatever it ended with is dropped (it was being
