@@ -82,3 +82,23 @@ async def test_calls_running_count_in_the_bounds_and_are_shut_when_pushed_out():
     for n, flown in enumerate(running):
         index.landed(flown, f"key-{n}", lingers=False)  # (a pushed-out tag is left as it is)
     assert sum(index.answers(f"\nstate R{n}") for n in range(100)) == 0
+
+
+async def test_a_pushed_out_tag_whose_forgetting_failed_is_logged(caplog):
+    """Forgetting a pushed-out tag's answers asks the layers (Redis too): one that failed was
+    left for asyncio's "exception was never retrieved", which a run may never print."""
+    index = StateIndex(max_entries=1)
+    tried = asyncio.Event()
+
+    async def evicted(held: Held) -> None:
+        tried.set()
+        raise ConnectionError("redis is down")
+
+    index.evicted = evicted
+    index.add(["\nstate A"], ["key-a"])
+    index.add(["\nstate B"], ["key-b"])  # (A pushed out)
+    await tried.wait()
+    await asyncio.sleep(0)  # (its task's done callback runs)
+    failed = [r for r in caplog.records if r.name == "carpool.state"]
+    assert [r.getMessage() for r in failed] == ["forgetting a pushed-out tag's answers failed"]
+    assert isinstance(failed[0].exc_info[1], ConnectionError)

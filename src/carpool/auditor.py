@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from .background import Background
 from .exchange import send
 from .semantic.audit import Budget, answer_text
 from .semantic.guard import Reason, RulesThenVerifier, Side
@@ -58,7 +59,7 @@ class Auditor:
 
     def __init__(self, layers: Layers) -> None:
         self.layers = layers
-        self._running: set[asyncio.Task[None]] = set()
+        self._running = Background("audit", log)  # (an audit's own failure is counted, not raised)
         self._strict: RulesThenVerifier | None = None
 
     def maybe(
@@ -73,9 +74,7 @@ class Auditor:
         audits = self.layers.audits
         if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
             return False
-        task = asyncio.ensure_future(self._audit(request, budget, match, view, near, flight))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._running.spawn(self._audit(request, budget, match, view, near, flight))
         return True
 
     async def _audit(
@@ -164,13 +163,10 @@ class Auditor:
     async def settle(self) -> None:
         """Wait for the audits running now (for whoever needs their verdicts: benchmarks)."""
         if self._running:
-            await asyncio.gather(*list(self._running), return_exceptions=True)
+            await asyncio.gather(*self._running, return_exceptions=True)
 
     async def aclose(self) -> None:
-        for task in list(self._running):
-            task.cancel()
-        if self._running:
-            await asyncio.wait(self._running)
+        await self._running.drain(0)  # (cancelled: the layers they ask are closing)
 
 
 async def _flown(flight: Broadcast) -> str | None:

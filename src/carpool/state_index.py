@@ -32,7 +32,7 @@ Contract:
   holding more than ``PER_TAG`` pushed out whole (one stored response continued by every
   request: its list only grew, each key in it long gone from the cache). What a tag pushed out
   held is forgotten from the layers then (``evicted``, set by
-  the gateway; in a task of its own, not on the storing flight's path): no answer of a tag this
+  the gateway; in a task of its own, not on the storing flight's path, a failure logged): no answer of a tag this
   index no longer knows outlives a ``DELETE`` of it. In this process only: what another worker
   or instance stored is in its own index, and a ``DELETE`` reaches it (``carpool.peers``'s
   ``{"state": tag}``, the Redis invalidation channel's state message).
@@ -40,13 +40,16 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+from .background import Background
 from .lru import LRU
 
 __all__ = ["Held", "StateIndex"]
+
+log = logging.getLogger("carpool.state")
 
 # Most tags indexed by default (``routing.state_entries``).
 DEFAULT_ENTRIES = 100_000
@@ -84,7 +87,7 @@ class StateIndex:
         self._gone: LRU[str, bool] = LRU(max_entries=tombstones)
         # What a tag pushed out held, forgotten from the layers (the gateway sets it).
         self.evicted: Callable[[Held], Coroutine[Any, Any, Any]] | None = None
-        self._forgetting: set[asyncio.Task[Any]] = set()
+        self._forgetting = Background("forgetting a pushed-out tag's answers", log)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -181,6 +184,4 @@ class StateIndex:
         self._answers -= len(held)
         if self.evicted is None:
             return
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(self.evicted(held))
-        self._forgetting.add(task)
-        task.add_done_callback(self._forgetting.discard)
+        self._forgetting.spawn(self.evicted(held))
