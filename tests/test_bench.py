@@ -1264,3 +1264,14 @@ def test_the_bench_gateway_closes_an_idle_client_connection_after_limits_client_
             while chunk := connection.recv(65536):  # (closed once idle: not uvicorn's 5 s)
                 received += chunk
     assert received.startswith(b"HTTP/1.1 200")
+
+
+def test_the_bench_client_writes_an_ipv6_host_in_brackets():
+    # "bench --url http://[::1]:P" sent "Host: ::1:P" (urlsplit's hostname has no brackets),
+    # which a strict front proxy refuses; its report named the URL so too.
+    from carpool.bench.client import Address, build
+
+    address = Address.parse("http://[::1]:8080/v1")
+    assert address.url == "http://[::1]:8080/v1"
+    assert b"\r\nhost: [::1]:8080\r\n" in build("GET", "/stats", address)
+    assert b"\r\nhost: 127.0.0.1:9\r\n" in build("GET", "/", Address.parse("http://127.0.0.1:9"))

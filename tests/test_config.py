@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -682,7 +684,7 @@ def test_an_empty_host_is_refused_every_interface_must_be_written(host):
 
 
 @pytest.mark.parametrize(
-    "host", ["http://127.0.0.1", "127.0.0.1:8080", "a b", "0.0.0.0.0", "999.1.1.1", "[::1]", "-x"]
+    "host", ["http://127.0.0.1", "127.0.0.1:8080", "a b", "0.0.0.0.0", "999.1.1.1", "[x]", "-x"]
 )
 def test_a_host_that_is_neither_an_ip_address_nor_a_host_name_is_refused(host):
     # check-config said ok, and showed "listening on http://127.0.0.1:8080"; serve then
@@ -695,6 +697,24 @@ def test_a_host_that_is_neither_an_ip_address_nor_a_host_name_is_refused(host):
         assert Config.load(env={}, overrides={"host": good}).host == good
     for good in ("127.1", "0", "2130706433"):  # (IPv4 forms the socket calls take)
         assert Config.load(env={}, overrides={"host": good}).host == good
+
+
+def test_an_ipv6_host_in_brackets_is_taken_without_them_and_shown_with_them(tmp_path):
+    # "--host [::1]" was refused with a hint about YAML that cannot be read (it starts with a
+    # bracket); "host: '::1'" was shown as "listening on ::1:8080".
+    for host in ("[::1]", "[::]", "[fe80::1%lo]"):
+        assert Config.load(env={}, overrides={"host": host}).host == host[1:-1]
+    with pytest.raises(ConfigError, match="host"):
+        Config.load(env={}, overrides={"host": "[127.0.0.1]"})  # (IPv6's form only)
+    path = tmp_path / "c.yaml"
+    path.write_text("host: '::1'\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "listening on [::1]:8080" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("token", ["", "   ", " tok", "tok ", "to\nken", "tok\x00"])

@@ -30,6 +30,7 @@ import inspect
 import ipaddress
 import logging
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
 from .config.loader import PARENT_VARIABLE, load_resolved, resolved_text
-from .config.urls import without_credentials
+from .config.urls import url_host, without_credentials
 from .logs import configure as configure_logging
 
 
@@ -238,7 +239,7 @@ def serve(
     def listening(port: int) -> None:
         # Once the socket is bound: the port it got, not the one asked for (0: the system's
         # choice, which nothing else says).
-        log.info("listening on http://%s:%d/v1", config.host, port)
+        log.info("listening on http://%s:%d/v1", url_host(config.host), port)
 
     served: dict[str, Any] = {
         "host": config.host,
@@ -362,6 +363,8 @@ def _loopback(host: str) -> bool:
         return True
     with contextlib.suppress(ValueError):
         return ipaddress.ip_address(host.strip("[]")).is_loopback
+    with contextlib.suppress(OSError):  # (127.1: IPv4 as the socket calls read it)
+        return ipaddress.ip_address(socket.inet_aton(host)).is_loopback
     return False
 
 

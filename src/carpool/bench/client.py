@@ -65,7 +65,13 @@ class Address:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}{self.prefix}"
+        return f"{'https' if self.tls else 'http'}://{self.netloc}{self.prefix}"
+
+    @property
+    def netloc(self) -> str:
+        """``host:port`` as a URL and the Host header write it: an IPv6 address in brackets
+        (``urlsplit``'s ``hostname`` has none)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -182,7 +188,7 @@ def build(
     headers = headers or {}
     lines = [
         f"{method} {address.prefix}{path} HTTP/1.1",
-        f"host: {address.host}:{address.port}",
+        f"host: {address.netloc}",
         f"content-length: {len(body)}",
     ]
     if body and not any(name.lower() == "content-type" for name in headers):

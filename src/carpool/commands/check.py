@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import click
 
-from ..config.urls import without_credentials
+from ..config.urls import url_host, without_credentials
 from .common import load_config, refuse_missing_extras
 
 
@@ -30,5 +30,5 @@ def check_config(file: str) -> None:
     click.echo(
         f"upstreams: {upstreams}; shared through {shared}; "
         f"semantic cache {'on' if config.semantic.enabled else 'off'}; "
-        f"listening on {config.host}:{config.port}"
+        f"listening on {url_host(config.host)}:{config.port}"
     )

@@ -27,6 +27,7 @@ import click
 from pydantic import BaseModel
 
 from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
+from ..config.urls import url_host
 
 
 def config_path(config_file: str | None) -> str | None:
@@ -106,9 +107,12 @@ def default_of(section: type[BaseModel], key: str) -> str:
 def listen_problem(host: str, port: int) -> str | None:
     """Why a server could not listen on ``host``:``port`` (None: it can), found by binding it
     once: uvicorn would only fail after start-up began, with a bare message and exit 3."""
+    # In the family uvicorn binds it in (an IPv6 address has a colon): create_server's own
+    # default, IPv4, refused every IPv6 address, "::" too.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        with socket.create_server((host, port)):
+        with socket.create_server((host, port), family=family):
             pass
     except (OSError, TypeError, ValueError) as error:  # (a host no name lookup could take)
-        return f"cannot listen on {host}:{port}: {error}"
+        return f"cannot listen on {url_host(host)}:{port}: {error}"
     return None

@@ -83,9 +83,9 @@ class Config(Section):
     )
     host: str = Field(
         "127.0.0.1",
-        description="Address the gateway listens on: an IP address or a host name (no scheme "
-        "or port). Every interface only when written: `0.0.0.0` "
-        "or `::` (an empty host, which would mean every interface too, is refused).",
+        description="Address the gateway listens on: an IP address (IPv6 with or without "
+        "brackets) or a host name (no scheme or port). Every interface: `0.0.0.0` or `::` (or "
+        "IPv4's short form `0`); an empty host, which would mean every interface too, is refused.",
     )
     workers: int = Field(
         1,

@@ -13,8 +13,11 @@
   unsaid), or one no socket call could take (a NUL or another control character, a lone
   surrogate, a non-ASCII name IDNA cannot encode: a TypeError or UnicodeError traceback once
   serve bound it), or neither an IP address nor a host name (a scheme, a port, a path, white
-  space, a dotted quad out of range: serve failed to listen on it, check-config said ok).
+  space, a dotted quad out of range: serve failed to listen on it, check-config said ok). An
+  IPv6 address in brackets, as URLs write it (``[::1]``), is taken without them.
   ``Config.host`` and ``carpool sim --host``.
+- ``url_host(host)``: ``host`` as a URL or a ``host:port`` writes it: an IPv6 address in
+  brackets (``http://[::1]:8080``: ``http://::1:8080`` is no URL).
 - ``has_credentials(url)``: whether the URL holds a user or a password (``any_credentials``: one
   of several, remembered). An upstream's are a
   credential the gateway holds (``Config.holds_upstream_credentials``): sent as
@@ -24,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import re
@@ -93,6 +97,10 @@ def checked_host(value: str) -> str:
         )
     if not value.isprintable():  # (NUL, a control character, a lone surrogate)
         raise ValueError("it holds a control character or a lone surrogate: no address does")
+    if value.startswith("[") and value.endswith("]"):
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(value[1:-1]).version == 6:
+                return value[1:-1]  # (as a URL writes it: the address is inside)
     name = value
     if not value.isascii():
         try:
@@ -121,6 +129,11 @@ def checked_host(value: str) -> str:
                 f"{value!r} is no IPv4 address (and no host name is all numbers)"
             ) from None
     return value
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it (the module's contract)."""
+    return f"[{host}]" if ":" in host else host
 
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # a label (RFC 1123; _ as in Docker names)

@@ -38,6 +38,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from carpool.config import SimConfig
+from carpool.config.urls import url_host
 from carpool.sse import event_frame
 from carpool.upstream.sim import (
     JSON_HEADERS,
@@ -235,6 +236,6 @@ async def _announce_when_started(
         bound = server.servers[0].sockets[0].getsockname()[1]
         print(
             f"carpool sim (SIMULATED engine, not a real model): replica {replica.name} on "
-            f"http://{host}:{bound}/v1",
+            f"http://{url_host(host)}:{bound}/v1",
             flush=True,
         )
