@@ -1,14 +1,18 @@
 """Time as carpool's in-process layers read it: the system's clocks, or one that tests move.
 
 Contract:
-- A ``Clock`` has two readings, in seconds. ``now()`` is wall-clock time since the epoch (as
-  ``time.time``): for instants that leave the process or outlive it (an entry's ``expires``, an
-  answer's ``created``, Redis TTLs). ``monotonic()`` never goes backwards (as ``time.monotonic``):
-  for durations and ages inside the process (a flight's linger and join age, how long ago a
-  credential was accepted).
+- A ``Clock`` has two readings, in seconds. ``now()`` is wall-clock time since the epoch: for
+  instants (an entry's ``expires``, an answer's ``created``; what Redis holds goes there as
+  durations, stamped on Redis's own clock). ``monotonic()`` never goes backwards (as
+  ``time.monotonic``): for durations and ages inside the process (a flight's linger and join
+  age, how long ago a credential was accepted).
 - ``SystemClock`` reads the system. ``SYSTEM_CLOCK`` is the one every component uses unless it
-  is given another (``clock=``); its methods are ``time.time`` and ``time.monotonic`` themselves,
-  so the default costs nothing on hot paths.
+  is given another (``clock=``). Its ``now()`` is the wall clock as the process first read it,
+  plus the time elapsed since (Linux's ``CLOCK_BOOTTIME``: time suspended counts; elsewhere
+  ``time.monotonic``): it never jumps when the system's clock is stepped (NTP, an operator's
+  ``date -s``), which moved every in-process expiry and age by the step (an hour back: every
+  answer served an hour past its TTL; forward: every one gone at once, the survivors' ``Age``
+  an hour old). Its ``monotonic`` is ``time.monotonic`` itself.
 - ``ManualClock`` stands still until ``advance(seconds)`` moves both readings by the same amount,
   never backwards. It starts at the system's readings (unless told otherwise), so that times
   other code takes from the system clock (``Answer.created``) stay close to it.
@@ -18,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Protocol
 
@@ -33,10 +38,25 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """The system's clocks: ``time.time`` and ``time.monotonic``."""
+    """The system's clocks: the wall clock read once and moved on by the time elapsed since, and
+    ``time.monotonic`` (the module's contract)."""
 
-    now = staticmethod(time.time)
     monotonic = staticmethod(time.monotonic)
+
+    def __init__(self) -> None:
+        self._at = time.time() - _elapsed()  # (the epoch's reading of the elapsed clock's 0)
+
+    def now(self) -> float:
+        return self._at + _elapsed()
+
+
+# Time elapsed, steps of the wall clock left out: since boot, suspended time included (an
+# answer's TTL runs on while the machine sleeps), where the system has such a clock.
+_elapsed = (
+    functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+    if hasattr(time, "CLOCK_BOOTTIME")
+    else time.monotonic
+)
 
 
 SYSTEM_CLOCK: Clock = SystemClock()

@@ -34,10 +34,11 @@ def free_port() -> int:
 
 
 def start_serve(
-    args: list[str], env: dict[str, str], log: Path, skew_s: float = 0
+    args: list[str], env: dict[str, str], log: Path, skew_s: float | Path = 0
 ) -> subprocess.Popen[bytes]:
     """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``;
-    ``skew_s``: its wall clock that many seconds off the system's (``skewed_serve.py``)."""
+    ``skew_s``: its wall clock that many seconds off the system's, or a file holding them,
+    written again to step it (``skewed_serve.py``)."""
     command = [sys.executable, "-m", "carpool.cli", "serve", *args]
     if skew_s:
         command[1:3] = [str(Path(__file__).with_name("skewed_serve.py"))]
@@ -139,10 +140,11 @@ async def instances(
     *,
     connections: int = 1000,
     workers: list[int] | None = None,
-    skews: list[float] | None = None,
+    skews: list[float | Path] | None = None,
 ) -> AsyncIterator[list[Instance]]:
     """``workers``: each instance's ``--workers`` (default 1); ``skews``: how many seconds each
-    one's wall clock is off the system's (default 0: another machine's clock, minutes off)."""
+    one's wall clock is off the system's (default 0: another machine's clock, minutes off), or
+    a file holding them (``start_serve``)."""
     env = serve_env(settings)
     started: list[Instance] = []
     with tempfile.TemporaryDirectory(prefix="carpool-instances-") as folder:
