@@ -1275,3 +1275,29 @@ def test_the_bench_client_writes_an_ipv6_host_in_brackets():
     assert address.url == "http://[::1]:8080/v1"
     assert b"\r\nhost: [::1]:8080\r\n" in build("GET", "/stats", address)
     assert b"\r\nhost: 127.0.0.1:9\r\n" in build("GET", "/", Address.parse("http://127.0.0.1:9"))
+
+
+@pytest.mark.parametrize("call", ["fetch", "healthy"])
+def test_the_bench_never_sends_its_own_requests_through_a_proxy(call):
+    # With HTTP_PROXY set, urlopen sent the setup's and the checks' requests, and the embedded
+    # gateway's start-up probes on loopback, to the proxy (the load client never used one): a
+    # run against a healthy gateway failed after 60 s, "did not answer GET /healthz".
+    code = {
+        "fetch": "from carpool.bench.client import fetch; print(fetch('GET', sys.argv[1])[0])",
+        "healthy": (
+            "import subprocess; from carpool.bench.process import _healthy; "
+            "p = subprocess.Popen(['sleep', '30']); print(200 if _healthy(sys.argv[1], p, 5) "
+            "else 0); p.kill()"
+        ),
+    }[call]
+    dead = "http://127.0.0.1:9"  # (the discard port: nothing listens)
+    env = {**os.environ, "HTTP_PROXY": dead, "http_proxy": dead, "NO_PROXY": "", "no_proxy": ""}
+    with upstream(Options()) as up:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; " + code, up.url + "/models"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.stdout.strip() == "200", done.stderr[-2000:]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -287,3 +290,27 @@ def test_the_outcome_rates_divide_each_bin_by_its_own_duration_the_last_one_too(
     starts, durations, rates = plots.outcome_rates(long_run, report.outcome_of)
     assert all(rate == pytest.approx(2, rel=0.2) for rate in rates["miss"]), rates["miss"]
     assert sum(r * d for r, d in zip(rates["miss"], durations, strict=True)) == pytest.approx(301)
+
+
+def test_the_report_is_written_in_utf8_whatever_the_locale(tmp_path):
+    # Under a locale whose encoding is not UTF-8 (ASCII here, Latin-1 on some hosts), report.md
+    # was written in it: a name it cannot encode (a workload file's, an upstream's) failed the
+    # run at its very end, a UnicodeEncodeError traceback, report.md left empty.
+    tests = Path(__file__).parent
+    code = (
+        "import sys; from pathlib import Path; from carpool.bench import report; "
+        "from test_bench_report import _empty_report; "
+        "r = _empty_report({'seed': None}); r['workload']['name'] = NAME; "
+        "report.write(r, Path(sys.argv[1]))"
+    ).replace("NAME", ascii("负载-wörk"))  # (argv itself is read in the locale's encoding)
+    ascii_locale = {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    env = {**os.environ, **ascii_locale, "PYTHONPATH": str(tests)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        timeout=60,
+        cwd=tests,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    assert "`负载-wörk`" in (tmp_path / "report.md").read_text(encoding="utf-8")

@@ -722,3 +722,20 @@ def test_an_idle_client_connection_is_closed_after_limits_client_keepalive(worke
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_serve_warns_once_that_a_proxy_variable_set_is_not_used(monkeypatch):
+    # HTTPS_PROXY set (an egress proxy, which the openai SDK reads): the gateway connects
+    # directly, and an upstream reached only through the proxy was a 502 with no hint.
+    for name in ("http_proxy", "https_proxy", "all_proxy"):  # (a CI machine may set them)
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    upstream = ["--upstream", "http://127.0.0.1:9/v1"]
+    assert "proxy" not in serve_log("--port", str(free_port()), *upstream)
+    monkeypatch.setenv("HTTPS_PROXY", "http://user:s3cret@proxy.internal:3128")
+    monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
+    log = serve_log("--port", str(free_port()), *upstream)
+    said = [line for line in log.splitlines() if "never through a proxy" in line]
+    assert len(said) == 1 and "HTTPS_PROXY and http_proxy are set" in said[0], log
+    assert "s3cret" not in log
+    assert "proxy" not in serve_log("--port", str(free_port()))  # (the simulator: no call out)

@@ -153,6 +153,16 @@ def serve(
                 "sent under it as given; if the server serves them under /v1, add it",
                 without_credentials(url),
             )
+    proxies = sorted({name for name in os.environ if name.lower() in _PROXY_VARIABLES})
+    if proxies and (config.upstreams or config.redis):
+        # Not read (as the openai SDK and httpx would): said, so that an upstream reached only
+        # through the proxy is not left to a 502 "unreachable" with no hint.
+        log.warning(
+            "%s %s set: carpool connects to its upstreams and Redis directly, never through a "
+            "proxy (docs/security.md)",
+            " and ".join(proxies),
+            "is" if len(proxies) == 1 else "are",
+        )
     if config.holds_upstream_credentials() and not config.auth.client_keys_file:
         log.warning(
             "the gateway holds the upstream key (upstream.api_key, or a user and password in "
@@ -355,6 +365,11 @@ def _differing(given: Any, loaded: Any, prefix: str = "") -> list[str]:
             found += _differing(getattr(given, name), getattr(loaded, name), f"{prefix}{name}.")
         return found
     return [] if given == loaded else [prefix.rstrip(".")]
+
+
+# The variables through which HTTP clients are pointed at a proxy (any case: curl and httpx read
+# both), which the gateway does not read.
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
 
 
 def _loopback(host: str) -> bool:

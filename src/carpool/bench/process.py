@@ -42,11 +42,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+from .client import DIRECT
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
@@ -175,7 +176,7 @@ def _healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback)
+            with DIRECT.open(url, timeout=5) as response:  # (loopback: never a proxy)
                 if response.status == 200:
                     return True
         time.sleep(0.05)

@@ -323,7 +323,7 @@ def write(report: dict[str, Any], out: Path) -> None:
     (out / "report.json").write_bytes(
         orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     )
-    (out / "report.md").write_text(markdown(report))
+    (out / "report.md").write_text(markdown(report), encoding="utf-8")
 
 
 def _ms(summary: dict[str, Any], key: str) -> str:

@@ -79,7 +79,7 @@ def throughput(
     pids = tuple(pids)
     with tempfile.TemporaryDirectory(prefix="carpool-wrk-") as tmp:
         lua = Path(tmp) / "post.lua"
-        lua.write_text(script(body))
+        lua.write_text(script(body), encoding="utf-8")
         server_before, wrk_before = cpu_seconds(pids), _children_cpu()
         started = time.monotonic()
         done = subprocess.run(

@@ -117,7 +117,7 @@ class CrossEncoder:
     ) -> None:
         folder = Path(directory) if directory is not None else PACKAGED
         try:
-            meta = json.loads((folder / SETTINGS_FILE).read_text())
+            meta = json.loads((folder / SETTINGS_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise VerifierFileError(f"no verifier in {folder}: {exc}") from exc
         threshold, max_length, digests = _settings(folder / SETTINGS_FILE, meta)
