@@ -876,6 +876,22 @@ def test_a_url_with_white_space_in_it_is_refused_naming_the_field(key, url):
     assert f"{key}:" in str(raised.value)
 
 
+@pytest.mark.parametrize("key", ["upstreams", "redis"])
+def test_a_url_naming_an_ipv6_zone_is_refused_naming_the_field(key):
+    # "http://[fe80::1%25eth0]:8000/v1": the cached endpoints reached it, pass-through looked the
+    # zone up as a name (a 502, the replica left out for 5 s), and both sent it as the Host.
+    url = (
+        "http://[fe80::1%25eth0]:8000/v1"
+        if key == "upstreams"
+        else "redis://[fe80::1%25eth0]:6379/0"
+    )
+    with pytest.raises(ConfigError, match="IPv6 zone") as raised:
+        Config.load(env={}, overrides={key: [url] if key == "upstreams" else url})
+    assert f"{key}:" in str(raised.value)
+    accepted = Config.load(env={}, overrides={"upstreams": ["http://[fe80::1]:8000/v1"]})
+    assert accepted.upstreams == ["http://[fe80::1]:8000/v1"]
+
+
 HELD_KEYS = {
     "upstream.api_key": 'upstream: {api_key: "${HELD}"}\n',
     "upstream.api_keys": 'upstreams: ["http://a:1/v1"]\nupstream: {api_keys: ["${HELD}"]}\n',

@@ -2,7 +2,7 @@
 
 - ``checked_url(value, schemes)``: the URL, or a ``ValueError`` that says what is wrong with it
   (white space anywhere in it, a scheme not in ``schemes``, no host, a port that is no port, a
-  malformed IPv6 address), so
+  malformed IPv6 address, a link-local one's zone), so
   that ``carpool check-config`` refuses what ``carpool serve`` would fail on, both with exit 2
   naming the field. The message shows the URL through ``without_credentials``.
 - ``without_credentials(url)``: the URL fit for a log line or an error message: any user and
@@ -86,6 +86,14 @@ def checked_url(value: str, schemes: tuple[str, ...]) -> str:
         raise ValueError(f"{shown!r} is not a {' or '.join(schemes)} URL")
     if not url.host and url.scheme != "unix":
         raise ValueError(f"{shown!r} names no host")
+    if "%" in (url.raw_host or ""):
+        # A link-local address's zone (RFC 6874, "[fe80::1%25eth0]"): the cached endpoints' calls
+        # reached it, pass-through's client looked the zone up as a name (a 502, and the replica
+        # left out), and both sent it in the Host header, which no client may.
+        raise ValueError(
+            f"{shown!r} names an IPv6 zone (%25...): not supported; give a routable address or "
+            "a host name"
+        )
     return value
 
 
