@@ -1318,3 +1318,25 @@ async def test_a_peers_idle_connection_is_closed_by_its_client_before_its_server
     finally:
         await door.aclose()
         peers.remove(directory)
+
+
+async def test_a_cancelled_close_of_a_worker_waiting_for_a_slot_stays_cancelled(fake):
+    # Its close cancelled the task waiting for a slot and awaited it under
+    # suppress(CancelledError): a cancellation of the close itself, arriving then, was
+    # swallowed with it, and the close went on as if none had come.
+    directory = peers.prepare(1)
+    config = Config(upstreams=[fake.url])
+    try:
+        held = claim(directory, 1)
+        assert held is not None
+        newcomer = build_gateway(config, peers=Peers(peers.meeting(directory, 1), config))
+        assert newcomer.peers is not None
+        async with serve_app(create_app(newcomer)):
+            assert newcomer.peers.index is None  # (waiting for the slot held above)
+            closing = asyncio.create_task(newcomer.peers.aclose())
+            await asyncio.sleep(0)  # (it has cancelled the wait and awaits its end)
+            closing.cancel()
+            await asyncio.wait({closing})
+            assert closing.cancelled()
+    finally:
+        peers.remove(directory)

@@ -77,6 +77,7 @@ import orjson
 from yarl import URL
 
 from ..apis import BY_PATH, Api
+from ..background import stop_reader
 from ..errors import RETRY_HEADERS, LeaderLost, UpstreamStreamBroken
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
@@ -522,10 +523,9 @@ class Peers:
 
     async def aclose(self) -> None:
         claiming, self._claiming = self._claiming, None
-        if claiming is not None:
-            claiming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await claiming
+        # (Its cancellation awaited, this one's own not swallowed: a suppressed CancelledError
+        # took the caller's with it.)
+        await stop_reader(claiming)
         await self._server.aclose()
         await self._close_spare()
         for session in self._sessions.values():
