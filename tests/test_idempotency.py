@@ -1108,3 +1108,46 @@ async def test_a_cluster_nodes_full_pool_is_waited_for_up_to_the_pool_timeout(
     finally:
         await records.aclose()
         await store.aclose()
+
+
+async def test_a_cancellation_that_comes_while_a_failed_requests_record_is_settled_is_kept():
+    # The record of a request that failed is given up shielded (``_shielded``): a cancellation
+    # of the request arriving meanwhile was suppressed with the record's own failures, and the
+    # request ended with its first error, as if it had never been cancelled. The record's
+    # update still runs to its end.
+    from carpool.idempotency.once import _shielded
+
+    release, settled = asyncio.Event(), asyncio.Event()
+
+    async def give_up() -> None:
+        await release.wait()
+        settled.set()
+
+    async def request() -> None:
+        try:
+            raise CarpoolError("the upstream failed")
+        except BaseException:
+            await _shielded(give_up())
+            raise
+
+    task = asyncio.create_task(request())
+    await asyncio.sleep(0)  # (failed, giving its record up)
+    task.cancel()
+    await asyncio.wait({task})
+    assert task.cancelled()
+    release.set()
+    await settled.wait()  # (the record's update ran on)
+
+
+async def test_a_records_own_failure_while_a_failed_request_gives_it_up_leaves_the_requests_error():
+    from carpool.idempotency.once import _shielded
+
+    async def give_up() -> None:
+        raise StoreUnavailable("redis is down")
+
+    with pytest.raises(CarpoolError, match="the upstream failed"):
+        try:
+            raise CarpoolError("the upstream failed")
+        except BaseException:
+            await _shielded(give_up())
+            raise

@@ -586,10 +586,16 @@ async def _settle(work: Any) -> Any:
 
 
 async def _shielded(work: Any) -> None:
-    """``_settle``, for a task already failing or being cancelled: nothing of it raised here
-    (the caller raises what it is handling)."""
-    with contextlib.suppress(BaseException):
+    """``_settle``, for a task already failing or being cancelled: the work's own failure is not
+    raised here (the caller raises what it is handling); a cancellation of the task that comes
+    meanwhile is (suppressed with the rest, the task ended with its first error as if none had
+    come)."""
+    try:
         await _settle(work)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001, S110 - the record's failure: the caller's error stands
+        pass
 
 
 def _not_kept(response: StoredResponse) -> bool:
