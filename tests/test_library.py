@@ -159,6 +159,62 @@ async def test_a_function_that_raises_is_a_failed_call_of_its_replica():
     await gateway.aclose()
 
 
+async def test_a_function_that_never_answers_is_a_504_after_the_upstream_timeout():
+    # The function's call had no bound: its clients waited for ever, and joiners that gave up
+    # waiting ran calls of their own, which hung too.
+    cancelled = asyncio.Event()
+
+    async def call(path, body):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    gateway = build_gateway(
+        Config(limits={"upstream_timeout": 0.2}), upstreams=[FunctionUpstream(call)]
+    )
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    reply = await asyncio.wait_for(gateway.request("/v1/chat/completions", body), 30)
+    assert reply.status == 504 and reply.json()["error"]["code"] == "upstream_timeout"
+    assert cancelled.is_set()  # (the function's call was stopped, not left running)
+    stats = gateway.snapshot()
+    assert stats["upstream_errors"] == 1 and stats["replicas"]["function"]["state"] != "healthy"
+    await gateway.aclose()
+    # A bound given with the function stands over the config's.
+    assert FunctionUpstream(call, timeout=5.0).timeout == 5.0
+    kept = FunctionUpstream(call, timeout=5.0)
+    build_gateway(Config(limits={"upstream_timeout": 0.2}), upstreams=[kept])
+    assert kept.timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    "result, said",
+    [
+        (object(), "returned object, not a JSON object"),
+        ({"choices": [{"message": {"content": object()}}]}, "returned what is not JSON"),
+    ],
+    ids=["sdk-object", "not-json-inside"],
+)
+async def test_a_function_that_returns_no_json_object_is_a_failed_call_of_its_replica(
+    result, said, caplog
+):
+    # What the openai SDK returns (a ChatCompletion, not a dict) was a TypeError past the
+    # function's failure handling: a 502 "internal error", the replica's record left healthy.
+    async def call(path, body):
+        return result
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    assert (await gateway.request("/v1/chat/completions", body)).status == 502
+    stats = gateway.snapshot()
+    assert stats["upstream_errors"] == 1 and stats["replicas"]["function"]["state"] != "healthy"
+    assert any(said in record.getMessage() for record in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    await gateway.aclose()
+
+
 async def test_a_function_call_its_client_cancelled_is_no_failure_of_its_replica():
     entered, cancelled = asyncio.Event(), asyncio.Event()
 

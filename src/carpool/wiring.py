@@ -46,6 +46,7 @@ from .state_index import StateIndex
 from .store import MemoryStore, Store
 from .tracing import Tracer
 from .upstream.base import Upstream, UpstreamRequest, UpstreamResponse
+from .upstream.function import FunctionUpstream
 from .window import AdaptiveWindow, FixedWindow, WindowPolicy
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ def build_layers(
 
         upstreams = build_upstreams(config)
     upstreams = list(upstreams)
+    for upstream in upstreams:
+        if isinstance(upstream, FunctionUpstream) and upstream.timeout is None:
+            upstream.timeout = config.limits.upstream_timeout  # (an HTTP upstream's bound too)
     store = store if store is not None else build_store(config, clock)
     shared_flights = build_shared_flights(config, store)
     coalesce = config.coalesce

@@ -415,7 +415,7 @@ class ReplicaSet:
                     # the replica's record. Not failed over: the call may have run. (Any other
                     # exception is no verdict on the replica: a request the client library could
                     # not even build, say. The traceback is the flight's to log.)
-                    self._failed(replica, f"raised {type(error).__name__}", seen)
+                    self._failed(replica, str(error), seen)  # (what it raised or returned)
                     self._observe(replica, 502, decision)
                     raise
                 except BaseException:
