@@ -8,6 +8,7 @@ import gc
 import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -193,7 +194,7 @@ class Make:
             cluster = self.backend == "redis-cluster"
             server = self.request.getfixturevalue("redis_cluster" if cluster else "redis_server")
             records = RedisIdempotencyRecords(
-                server.url, retention=retention, lease=lease, cluster=cluster
+                server.url, retention=retention, lease=lease, cluster=cluster, clock=self.clock
             )
         self.made.append(records)
         return records
@@ -264,10 +265,16 @@ async def test_a_record_keeps_when_its_answer_was_made_for_the_replays_age(
 ) -> None:
     made = StoredResponse(OK.status, OK.headers, OK.body, created=1_712_345_678.123_456_7)
     token = await begin_new(records)
+    finished = time.monotonic()
     assert await records.finish("k", token, made) is True
     done = await records.begin("k", FP)
-    assert done.response == made and done.response.created == made.created
-    assert await records.wait("k", FP, timeout=0) == made
+    waited = await records.wait("k", FP, timeout=0)
+    # In Redis, as its age on Redis's clock (ms): as much older as Redis time passed meanwhile.
+    older_by = time.monotonic() - finished + 0.002
+    for read in (done.response, waited):
+        assert read is not None and replace(read, created=made.created) == made
+        assert read.created is not None
+        assert made.created - older_by <= read.created <= made.created + 0.001
     token = await begin_new(records, "unknown")
     await records.finish("unknown", token, OK)
     unknown = await records.begin("unknown", FP)
@@ -283,10 +290,30 @@ async def test_a_redis_record_written_before_the_answers_time_was_kept_replays_w
         made = StoredResponse(OK.status, OK.headers, OK.body, created=1_712_345_678.5)
         await records.finish("k", token, made)
         client = aredis.Redis.from_url(redis_server.url)
-        await client.hdel(records.record_key("k"), "c")  # as an older gateway left it
+        await client.hdel(records.record_key("k"), "c", "cr")  # as an older gateway left it
         await client.aclose()
         done = await records.begin("k", FP)
         assert done.response == StoredResponse(OK.status, OK.headers, OK.body)
+        assert await records.wait("k", FP, timeout=0) == done.response
+    finally:
+        await records.aclose()
+
+
+async def test_a_redis_record_of_an_older_gateway_replays_its_writers_wall_clock(
+    redis_server: RedisServer,
+) -> None:
+    # A rolling upgrade: a gateway that kept when the answer was made on its own wall clock
+    # (``c``), not on Redis's (``cr``), left the record; it is read as that gateway read it.
+    records = RedisIdempotencyRecords(redis_server.url, retention=60)
+    try:
+        token = await begin_new(records)
+        await records.finish("k", token, OK)
+        client = aredis.Redis.from_url(redis_server.url)
+        await client.hset(records.record_key("k"), "c", "1712345678.5")
+        await client.hdel(records.record_key("k"), "cr")
+        await client.aclose()
+        done = await records.begin("k", FP)
+        assert done.response == replace(OK, created=1_712_345_678.5)
         assert await records.wait("k", FP, timeout=0) == done.response
     finally:
         await records.aclose()

@@ -132,3 +132,27 @@ async def test_an_instance_whose_clock_is_ahead_counts_the_fleets_live_entries(
             assert seen_by_b["layers"]["exact"]["entries"] == 3
         await a.gateway.store.redis.refresh_stats()  # type: ignore[attr-defined]
         assert a.gateway.store.entries == 3
+
+
+async def test_an_idempotent_replay_on_another_instance_says_the_answers_age_on_redis_clock(
+    fake: Any, shared_redis: Any
+) -> None:
+    # B runs 5 minutes ahead of A. The record kept the writer's wall clock and the replaying
+    # instance subtracted it from its own: a key run on B and retried on A said ``age: 0``
+    # however old its answer, one run on A and retried on B said 300 s more than it was.
+    async with (
+        instance(fake, shared_redis) as a,
+        instance(fake, shared_redis, 300) as b,
+    ):
+        for writer, key in ((b, "written-ahead"), (a, "written-behind")):
+            first = await writer.chat(key, headers={"Idempotency-Key": key})
+            assert first.status_code == 200 and "age" not in first.headers
+        await redis_time_passes(shared_redis, 1.2)
+        ages = {}
+        for replayer, key in ((a, "written-ahead"), (b, "written-behind")):
+            replay = await replayer.chat(key, headers={"Idempotency-Key": key})
+            assert replay.headers["idempotent-replayed"] == "true", key
+            ages[key] = int(replay.headers["age"])
+        # (At least the Redis time waited; far less than the clocks' 300 s apart.)
+        assert all(1 <= age < 60 for age in ages.values()), ages
+        assert fake.count() == 2

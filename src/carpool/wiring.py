@@ -385,6 +385,7 @@ def build_idempotency(
             owns_client=owned,
             health=health,
             pool_timeout=config.distributed.pool_timeout,
+            clock=clock,
         ),
         local,
     )

@@ -65,9 +65,10 @@ PROCESSING_TTL = 660.0  # s: the default upstream timeout (600) + a margin
 class StoredResponse:
     """A final response, replayed as it is: status, headers (raw ASGI pairs), body bytes, and
     ``streamed``: whether the request that made it asked for a stream (see ``replay_as``);
-    ``created``: when its answer was made (wall-clock seconds: its reply's time less the
-    ``age`` it said), for the replay's ``age``; None when unknown (a record written before it
-    was kept)."""
+    ``created``: when its answer was made (wall-clock seconds on the gateway's clock: its
+    reply's time less the ``age`` it said; shared records keep it on Redis's and read it back
+    onto the reader's), for the replay's ``age``; None when unknown (a record written before
+    it was kept)."""
 
     status: int
     headers: list[tuple[bytes, bytes]]

@@ -33,6 +33,19 @@ degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool
 has passed since it began: a cluster node's pool does not wait by itself, a single server's
 already waited that long (then it is not tried again).
 
+Clocks: the instances' wall clocks may be minutes apart (separate machines), so when a record's
+answer was made is kept on Redis's clock (``TIME``, read by the scripts), as the shared exact
+cache keeps its entries' (``carpool.redis.store``): a ``finish`` sends its answer's age, read on
+this instance's ``clock`` as it is sent, and the script stamps Redis's now less that age; a read
+(``begin``, ``wait``) returns Redis's now with the record, and the answer's ``created`` is on
+this instance's clock, as long ago as it is on Redis's. So a replay's ``Age`` is Redis time,
+whichever instance ran the key. (Before, the writer's wall clock was kept and the replaying
+instance's subtracted from it: a retry on an instance 5 minutes behind the writer said
+``age: 0``, on one ahead 300 s too old.) A record of an older gateway, without Redis's time,
+is read as before: its writer's wall clock, on this instance's (a rolling upgrade's records
+live for the retention at most); the writer's wall clock is still kept for older gateways'
+reads.
+
 A record that cannot be read (something else wrote the key: a field missing or malformed, a
 status no HTTP answer has, a key of another type, ``WRONGTYPE``) is a request that ran, or may
 have, whose response was not kept: ``begin`` and ``wait`` answer it as ``_UNREADABLE_ANSWER``
@@ -51,12 +64,12 @@ import logging
 import math
 import weakref
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from typing_extensions import Unpack
 
+from ..clock import SYSTEM_CLOCK, Clock
 from ..http_syntax import CONTROL, TOKEN
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
 from ..idempotency.errors import IdempotencyResponseNotKept
@@ -65,6 +78,7 @@ from .connection import (
     BACKOFF_MIN,
     GROWS,
     POOL_TIMEOUT,
+    REDIS_NOW,
     Background,
     ConnectOptions,
     Health,
@@ -94,9 +108,11 @@ POLL_MAX = 0.25  # s: longest pause (the back-off grows by half each time)
 FINISH_RETRY_MAX = 0.25  # s at most between two tries of a finish that Redis failed
 CLOSE_WAIT_S = 1.0  # s ``aclose`` lets a finish on its way land before cancelling it
 
-# KEYS[1] = the record; ARGV = fingerprint, token, lease ms.
+# KEYS[1] = the record; ARGV = fingerprint, token, lease ms. A finished record comes with
+# Redis's now (ms), last, for the age of its answer (``_decode``).
 _BEGIN = (
     ALWAYS
+    + REDIS_NOW
     + """
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 't')
 if not rec[1] then
@@ -115,14 +131,16 @@ if rec[1] == 'p' then
   if rec[3] == ARGV[2] then return {'new'} end   -- this very call, retried after a lost reply
   return {'processing'}
 end
-local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm', 'c')
-return {'done', r[1], r[2], r[3], r[4], r[5]}
+local r = redis.call('HMGET', KEYS[1], 'st', 'h', 'b', 'm', 'c', 'cr')
+return {'done', r[1], r[2], r[3], r[4], r[5], r[6], now}
 """
 )
 
-# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0), created. 1 if
-# stored. ``_FINISH`` is refused by a full Redis (a response's body, kept for the retention: by
-# the request rate, without bound); ``_NOT_KEPT`` then records the small answer a retry gets
+# ARGV = token, state (s|f), retention ms, status, headers, body, streamed (1|0), created (the
+# writer's wall clock, for older gateways' reads), the answer's age in ms ('': unknown): stamped
+# ``cr``, when it was made on Redis's clock (the module's docstring). 1 if stored. ``_FINISH``
+# is refused by a full Redis (a response's body, kept for the retention: by the request rate,
+# without bound); ``_NOT_KEPT`` then records the small answer a retry gets
 # (``IdempotencyResponseNotKept``): the request ran, it must not run again.
 _FINISHING = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
@@ -130,10 +148,25 @@ if rec[2] ~= ARGV[1] or rec[1] == 'r' then return 0 end
 if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
 redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
            'm', ARGV[7], 'c', ARGV[8])
+if ARGV[9] == '' then
+  redis.call('HDEL', KEYS[1], 'cr')
+else
+  redis.call('HSET', KEYS[1], 'cr', string.format('%.0f', now - tonumber(ARGV[9])))
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
-_FINISH, _NOT_KEPT = GROWS + _FINISHING, ALWAYS + _FINISHING
+_FINISH, _NOT_KEPT = GROWS + REDIS_NOW + _FINISHING, ALWAYS + REDIS_NOW + _FINISHING
+
+# A record's fields, read as ``begin`` reads a finished one, with Redis's now (ms) first.
+_READ = (
+    ALWAYS
+    + REDIS_NOW
+    + """
+local r = redis.call('HMGET', KEYS[1], 's', 'fp', 'st', 'h', 'b', 'm', 'c', 'cr')
+return {now, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]}
+"""
+)
 _NOT_KEPT_ANSWER = StoredResponse(
     IdempotencyResponseNotKept.status,
     [
@@ -209,8 +242,11 @@ class RedisIdempotencyRecords:
                        b  = body bytes                        (latin-1 strings: byte-exact)
                        m  = 1 if the request streamed, else 0 (absent in records written
                             before it existed: then the stored content type says)
-                       c  = when the answer was made (wall-clock seconds, decimal; empty:
-                            unknown; absent in records written before it existed)
+                       c  = when the answer was made on its writer's wall clock (seconds,
+                            decimal; empty: unknown; absent in records written before it
+                            existed): read only where ``cr`` is absent (an older gateway's)
+                       cr = when the answer was made on Redis's clock (ms; absent: unknown,
+                            or a record of an older gateway)
 
     - ``ID`` is the 40-hex BLAKE2b digest of the (scoped) key: no user input in key names.
     - Every operation is one Lua script on one key (atomic, Cluster-safe). The lease is the key's
@@ -225,6 +261,8 @@ class RedisIdempotencyRecords:
       ``PoolExhausted``, once ``pool_timeout`` has passed (see the module's docstring).
     - ``health``: the instance's one health, asked and told as the module's docstring says
       (None: nothing asked or told).
+    - ``clock``: the gateway's, whose ``now()`` the answers' ``created`` are read on (in Redis
+      they are Redis time: the module's docstring).
     """
 
     def __init__(
@@ -237,6 +275,7 @@ class RedisIdempotencyRecords:
         poll_max: float = POLL_MAX,
         owns_client: bool | None = None,
         health: Health | None = None,
+        clock: Clock = SYSTEM_CLOCK,
         **options: Unpack[ConnectOptions],
     ) -> None:
         check_prefix(prefix)
@@ -256,6 +295,7 @@ class RedisIdempotencyRecords:
         self.prefix = prefix
         self.poll_max = poll_max
         self.health = health
+        self._clock = clock
         # (Also how long a call waits for a free connection when ``target`` is a client.)
         self.pool_timeout = options.get("pool_timeout", POOL_TIMEOUT)
         if isinstance(target, str):
@@ -273,6 +313,7 @@ class RedisIdempotencyRecords:
         self._abandon = client.register_script(_ABANDON)
         self._release_record = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
+        self._read = client.register_script(_READ)
         # Local wake-ups: waiters of this instance, set by its finish/abandon/release.
         self._changed: weakref.WeakValueDictionary[str, asyncio.Event] = (
             weakref.WeakValueDictionary()
@@ -312,30 +353,29 @@ class RedisIdempotencyRecords:
             self._keepers[token] = asyncio.create_task(self._keep(key, token))
             return Begin("new", token)
         if state == "done":
-            return Begin(
-                "done",
-                # (Fields absent in records written before they existed: None.)
-                response=_decode(record_key, *[*reply[1:], None, None][:5]),
-            )
+            *fields, redis_now = reply[1:]
+            return Begin("done", response=_decode(record_key, fields, redis_now, self._clock.now()))
         return Begin(state)
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
         """Keep ``response`` for the retries; on a full Redis (``RedisFull``), that the request
         ran (``_NOT_KEPT``: its retries are told so, never run again). True once settled."""
         record_key = self.record_key(key)
-        script, args = self._finish, self._finish_args(token, response)
+        script = self._finish
         loop = asyncio.get_running_loop()
         deadline, pause = loop.time() + self.lease / 2, BACKOFF_MIN
         later = False  # tried again in the background, which releases the lease then
         try:
             while True:
                 try:
-                    done = await self._call("finish", partial(script, [record_key], args))
+                    done = await self._call(
+                        "finish", self._finish_command(script, record_key, token, response)
+                    )
                     break
                 except RedisFull:
                     if script is self._not_kept:
                         raise
-                    script, args = self._not_kept, self._finish_args(token, _NOT_KEPT_ANSWER)
+                    script, response = self._not_kept, _NOT_KEPT_ANSWER
                 except PoolExhausted:
                     # Redis answers: a finished answer is worth more waiting (dropped, the
                     # lease would run out and a retry run the key again), for as long as the
@@ -350,7 +390,7 @@ class RedisIdempotencyRecords:
             # A stall, a reset: Redis may take it in a moment (the module's docstring).
             later = not self._closing.is_set()
             if later:
-                self._finishing.spawn(self._finish_later(record_key, token, script, args))
+                self._finishing.spawn(self._finish_later(record_key, token, script, response))
             raise
         finally:
             if not later:
@@ -366,7 +406,7 @@ class RedisIdempotencyRecords:
                 await self.release(key, token)
 
     async def _finish_later(
-        self, record_key: str, token: str, script: Any, args: list[Any]
+        self, record_key: str, token: str, script: Any, response: StoredResponse
     ) -> None:
         """A finish Redis failed, tried again until it lands or the lease is lost (the module's
         docstring); the record's lease renewed by its keeper meanwhile, for one more lease at
@@ -390,14 +430,16 @@ class RedisIdempotencyRecords:
                 try:
                     # (No longer than the lease holds: a busy pool's wait is ``pool_timeout``.)
                     async with asyncio.timeout(max(0.0, self._held.get(token, 0.0) - loop.time())):
-                        await self._call("finish", partial(script, [record_key], args))
+                        await self._call(
+                            "finish", self._finish_command(script, record_key, token, response)
+                        )
                 except TimeoutError:
                     return  # (the lease ran out meanwhile)
                 except RedisFull:
                     if script is self._not_kept:
                         return
                     # (The response is not kept: that the request ran is, as ``finish`` does.)
-                    script, args = self._not_kept, self._finish_args(token, _NOT_KEPT_ANSWER)
+                    script, response = self._not_kept, _NOT_KEPT_ANSWER
                     continue
                 except WrongType:
                     return
@@ -408,10 +450,21 @@ class RedisIdempotencyRecords:
         finally:
             self._release(token)
 
+    def _finish_command(
+        self, script: Any, record_key: str, token: str, response: StoredResponse
+    ) -> Callable[[], Awaitable[Any]]:
+        """The command that finishes ``record_key`` with ``response``: its arguments made as it
+        is sent, so that its answer's age is as of then (a finish tried again later is stamped
+        on Redis's clock then, not as young as at its first try)."""
+        return lambda: script([record_key], self._finish_args(token, response))
+
     def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
         headers = orjson.dumps(
             [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
         )
+        # (Sent as a duration, stamped on Redis's clock: this instance's may be minutes off.)
+        made = response.created
+        age_ms = "" if made is None else max(0, int((self._clock.now() - made) * 1000))
         return [
             token,
             "s" if 200 <= response.status < 300 else "f",
@@ -420,7 +473,8 @@ class RedisIdempotencyRecords:
             headers,
             response.body,
             int(response.streamed),
-            "" if response.created is None else repr(float(response.created)),
+            "" if made is None else repr(float(made)),
+            age_ms,
         ]
 
     async def abandon(self, key: str, token: str) -> bool:
@@ -538,16 +592,15 @@ class RedisIdempotencyRecords:
                 if changed is None:
                     changed = self._changed[record_key] = asyncio.Event()
                 try:
-                    state, found, status, headers, body, streamed, created = await self._call(
-                        "wait",
-                        lambda: self._client.hmget(record_key, "s", "fp", "st", "h", "b", "m", "c"),
+                    redis_now, state, found, *fields = await self._call(
+                        "wait", lambda: self._read(keys=[record_key])
                     )
                 except WrongType as error:
                     return _unreadable(record_key, error.__cause__)
                 if state is None or found != mine or state == b"r":
                     return None  # (RELEASED: not running; its request begins it again)
                 if state != b"p":
-                    return _decode(record_key, status, headers, body, streamed, created)
+                    return _decode(record_key, fields, redis_now, self._clock.now())
                 left = deadline - loop.time()
                 if left <= 0:
                     return None
@@ -576,17 +629,22 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
-def _decode(
-    record_key: str, status: Any, headers: Any, body: Any, streamed: Any, created: Any = None
-) -> StoredResponse:
-    """The response a finished record holds; ``_UNREADABLE_ANSWER`` if it cannot be read (the
-    module's docstring)."""
+def _decode(record_key: str, fields: list[Any], redis_now: Any, now: float) -> StoredResponse:
+    """The response a finished record holds (``fields``: ``st``, ``h``, ``b``, ``m``, ``c``,
+    ``cr`` as read, with ``redis_now``, Redis's now in ms); ``_UNREADABLE_ANSWER`` if it cannot
+    be read (the module's docstring). Its answer's ``created`` is on the reader's clock, whose
+    reading is ``now``: as long ago as ``cr`` is of ``redis_now`` (Redis time); a record of an
+    older gateway (no ``cr``) has only its writer's wall clock, ``c``, taken as it is."""
+    status, headers, body, streamed, created, made_ms = fields
     try:
         code = int(status)
         named = [(n, v) for n, v in orjson.loads(headers)]
         readable = all(TOKEN.fullmatch(n) and not CONTROL.search(v) for n, v in named)
         pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in named]
-        made = float(created) if created else None  # (None, empty: unknown)
+        if made_ms:
+            made: float | None = now - max(0.0, int(redis_now) - float(made_ms)) / 1000
+        else:
+            made = float(created) if created else None  # (None, empty: unknown)
     except (TypeError, ValueError, AttributeError) as error:  # (JSONDecodeError: a ValueError)
         return _unreadable(record_key, error)
     if not (
