@@ -103,7 +103,9 @@ Contract:
 - A request asking to upgrade the connection (``Upgrade``: ``h2c``, a WebSocket) with a body
   is refused, 400 ``upgrade_not_served``, and the connection closes: httptools takes what
   follows the head for the new protocol, so its body would be lost. Without a body it is
-  served as if it asked for none (RFC 9110 7.8; no WebSocket is served: ``ws: none``).
+  served as if it asked for none (RFC 9110 7.8; no WebSocket is served: ``ws: none``), said at
+  debug only (uvicorn warned twice a request, at every level, advising a WebSocket library: any
+  client, ``curl --http2`` included, could fill the log).
 - uvicorn's request cycles close the connection through the protocol (``_CycleTransport``): a
   close while the client may still be sending its request (a 413 or a 408 answered before its
   body's end) lingers (``_linger``): this side is shut once what was written is sent, and what
@@ -302,8 +304,18 @@ class GatewayProtocol(HttpToolsProtocol):
             # uvicorn cannot take) has none worth saying.
             callback = isinstance(error, httptools.HttpParserCallbackError)
             reason = None if callback else str(error)
-            log.info("a request that is not valid HTTP/1.1 was refused (400): %s", reason)
-            self._refuse(MalformedHttp(reason))
+            # (At debug: any client can send such bytes, each request a line. Under the id its
+            # refusal carries, which no request's context holds here.)
+            rid = request_id(self.headers)
+            said = REQUEST_ID.set(rid.decode("ascii"))
+            try:
+                log.debug(
+                    "a request that is not valid HTTP/1.1 was refused (400): %s",
+                    reason or "a request target the server cannot take",
+                )
+            finally:
+                REQUEST_ID.reset(said)
+            self._refuse(MalformedHttp(reason), rid)
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -927,7 +939,11 @@ class GatewayProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
-    def _refuse(self, error: RequestError) -> None:
+    def _unsupported_upgrade_warning(self) -> None:
+        # (uvicorn's two warnings a request: the module's contract)
+        log.debug("a request asking to upgrade the connection is served as HTTP/1.1")
+
+    def _refuse(self, error: RequestError, rid: bytes | None = None) -> None:
         """Answers ``error`` (431, 414, 408, a malformed request's 400, 501) to the request being
         read, in the API's error shape, and closes the connection, lingering. While earlier
         requests of the connection are still being answered, once they are (``refusal``);
@@ -971,7 +987,7 @@ class GatewayProtocol(HttpToolsProtocol):
         )
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
-        refusal = self._closing_error(error, api, request_id(self.headers))
+        refusal = self._closing_error(error, api, rid or request_id(self.headers))
         if earlier:
             # Pipelined behind requests not answered yet: closed now, their answers were lost
             # with it (and uvicorn's 400 cut into them). Written once they are.
