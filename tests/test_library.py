@@ -215,6 +215,21 @@ async def test_a_function_that_returns_no_json_object_is_a_failed_call_of_its_re
     await gateway.aclose()
 
 
+def test_a_gateway_runs_on_the_event_loop_it_was_first_used_on():
+    # ``asyncio.run`` a request at a time: the second loop's calls went through the first
+    # loop's upstream connections (a 502 blamed on the upstream), and ``aclose`` then failed.
+    async def call(path, body):
+        return _completion("hi")
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    assert asyncio.run(gateway.request("/v1/chat/completions", body)).status == 200
+    with pytest.raises(RuntimeError, match="event loop it was first used on"):
+        asyncio.run(gateway.request("/v1/chat/completions", body))
+    with pytest.raises(RuntimeError, match="event loop it was first used on"):
+        asyncio.run(gateway.passthrough("GET", "/models", b"", {}, b""))
+
+
 async def test_a_function_call_its_client_cancelled_is_no_failure_of_its_replica():
     entered, cancelled = asyncio.Event(), asyncio.Event()
 

@@ -480,6 +480,20 @@ async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_on
         await gateway.aclose()
 
 
+async def test_a_library_gateway_never_started_looks_its_tracer_up_on_its_first_request(spans):
+    # Used without a server (or mounted in a host app that does not forward its lifespan), the
+    # gateway never started: a tracer provider the host installed after building it was never
+    # looked up, and no span was ever recorded.
+    provider, exporter = spans
+    gateway = build_gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
+    gateway.tracer.provider = provider  # (installed after the gateway was built)
+    try:
+        assert (await gateway.request("/v1/chat/completions", b"not json")).status == 400
+        assert [s.name for s in exporter.get_finished_spans()] == ["carpool.request"]
+    finally:
+        await gateway.aclose()
+
+
 def test_buckets_count_a_value_on_a_bound_in_that_bucket_and_are_cumulative_up_to_inf():
     buckets = Buckets("x", "", (0.1, 1.0, float("inf")))
     for value in (0.05, 0.1, 0.5, 1.0, 7.0):

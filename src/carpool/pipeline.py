@@ -105,6 +105,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -184,6 +185,7 @@ class Gateway:
         self.shared_flights = layers.shared_flights
         self.peers = layers.peers
         self.closed = False  # (``aclose``)
+        self._loop: asyncio.AbstractEventLoop | None = None  # (the one it runs on: ``_bound``)
         self.invalidations = layers.invalidations
         self.semantic = layers.semantic
         self.idempotency = layers.idempotency
@@ -676,9 +678,9 @@ class Gateway:
         ``query`` a URL cannot hold (not ASCII: percent-encode it); ``TypeError`` for a header
         name or value, or a ``query``,
         that is not a ``str``; ``RuntimeError`` once the gateway is closed (``aclose``: its
-        upstream connections would be opened again, and nothing would close them)."""
-        if self.closed:
-            raise RuntimeError("this gateway is closed (aclose): build another")
+        upstream connections would be opened again, and nothing would close them), or on
+        another event loop than the one it was first used on (``_bound``)."""
+        self._bound()
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
@@ -750,9 +752,8 @@ class Gateway:
         nothing sent. A valid one is no record's: the call runs each time it comes, its key
         forwarded for the upstream to honour (or not), but with a credential the gateway holds
         (``upstream.http``).
-        ``RuntimeError`` once the gateway is closed, as ``request``."""
-        if self.closed:
-            raise RuntimeError("this gateway is closed (aclose): build another")
+        ``RuntimeError`` once the gateway is closed, or on another event loop, as ``request``."""
+        self._bound()
         # The key is checked as on the cached endpoints (a client that sent a malformed one
         # hears so wherever it sent it) but not recorded: the gateway keeps no record of a call
         # it does not understand (a body of any size and type, a stream, a file), so it cannot
@@ -877,7 +878,27 @@ class Gateway:
         every other request with a 500."""
         if self.closed:
             raise RuntimeError("this gateway is closed (aclose): build another")
+        with contextlib.suppress(RuntimeError):  # (no loop running: bound by its first request)
+            self._loop = asyncio.get_running_loop()
         self.layers.start()
+
+    def _bound(self) -> None:
+        """A library call (``request``, ``passthrough``) on the gateway's event loop: the first
+        binds it and starts its layers (``start``: a host that mounts the app without its
+        lifespan, or never serves it, had its tracer never looked up); a call on another loop
+        is refused (``asyncio.run`` a request: the upstream connections, Redis's and the
+        timers belong to the first loop: a 502 blamed on the upstream, then ``aclose`` failed)."""
+        if self.closed:
+            raise RuntimeError("this gateway is closed (aclose): build another")
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            raise RuntimeError(
+                "this gateway runs on the event loop it was first used on (its connections "
+                "belong to it): build one gateway per event loop"
+            )
+        self.start()
 
     def begin_draining(self) -> None:
         """The gateway is stopping (see the module docstring)."""
