@@ -645,6 +645,65 @@ async def test_under_another_server_a_passthrough_answer_the_replica_cuts_still_
                     await client.get("/v1/models")
 
 
+class HeadRefused:
+    """A server's part in front of the gateway's app: the first head it is given fails as it is
+    sent. ``taint``: that head goes on to the server with a header value no server may write
+    (uvicorn refuses it once it counted its reply begun); else it is refused here, nothing of
+    it sent (as a server that checks a head before it begins its reply)."""
+
+    def __init__(self, app: Any, taint: bool) -> None:
+        self.app, self.taint, self.refused = app, taint, 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def sent(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and not self.refused:
+                self.refused += 1
+                if not self.taint:
+                    raise RuntimeError("Invalid HTTP header value.")
+                message = {**message, "headers": [*message["headers"], (b"x-bad", b"\x1b")]}
+            await send(message)
+
+        await self.app(scope, receive, sent if scope["type"] == "http" else send)
+
+
+async def test_a_head_refused_before_anything_was_sent_is_followed_by_the_gateways_500(caplog):
+    """The gateway counted its reply begun as it handed the head to the server, before the
+    server had taken it: a head refused then got no 500 from the gateway (under uvicorn, its
+    bare ``Internal Server Error``, no request id, no error shape)."""
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+    async with raw_upstream(respond) as upstream:
+        app = HeadRefused(create_app(build_gateway(Config(upstreams=[upstream.url]))), False)
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url) as client:
+            response = await client.get("/v1/models")
+    assert response.status_code == 500, response.text
+    assert error_of(response)["code"] == "internal_error"
+    assert response.headers["x-request-id"]
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in failed] == ["a request failed (500)"]
+
+
+async def test_a_head_the_server_refuses_once_begun_cuts_its_client_with_one_error_logged(caplog):
+    """uvicorn counts its reply begun before it checks the head's fields: a head it refuses
+    takes no 500 after it. The gateway's 500 is then given up (the client's connection is cut,
+    as for a reply that failed once begun), not a second failure in uvicorn's log."""
+
+    def respond(call: RawCall) -> bytes:
+        return raw_answer(200, b"OK", b'{"object": "list", "data": []}')
+
+    async with raw_upstream(respond) as upstream:
+        app = HeadRefused(create_app(build_gateway(Config(upstreams=[upstream.url]))), True)
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.get("/v1/models")
+            again = await client.get("/v1/models")
+    assert again.status_code == 200
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
+    assert [r.getMessage() for r in failed] == ["a request failed (500)"]
+
+
 async def test_a_stream_cut_part_way_reaches_every_client_as_an_error_and_nothing_is_stored(
     gw, fake
 ):

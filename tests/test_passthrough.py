@@ -9,6 +9,8 @@ other ``/v1`` path) keeps each call its own client's, and relays its bytes as th
 3. A request body goes to the upstream as it comes, not once the gateway has all of it.
 4. An upstream that refuses an upload part-way is heard: its answer reaches the client, and
    its replica stays in rotation; one that cuts it without answering is still a 502.
+5. An answer whose header holds a control character, which no server may write, is a 502, as
+   on the cached endpoints: never a connection closed without a status line.
 
 Everything talks HTTP to a real gateway on loopback in front of ``fakes.raw_upstream``, reached
 as ``localhost`` where cookies are concerned: aiohttp's cookie jar ignores those of a bare IP.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 
 import httpx
 import pytest
@@ -357,3 +360,44 @@ async def test_an_upstream_that_reads_the_whole_upload_before_answering_gets_all
     assert (whole.status_code, streamed.status_code) == (200, 200), (whole.text, streamed.text)
     assert all(b"expect" not in head.lower() for head in upstream.heads)
     assert len(upstream.read) == 2 and min(upstream.read) >= 16 * PIECE
+
+
+# --- 5. an answer with a header no server may write ------------------------------------------
+
+
+async def test_an_upstream_header_with_a_control_character_is_a_502_as_on_the_cached_endpoints(
+    caplog,
+):
+    """A pass-through answer whose header value held a control character (ESC, as in
+    ``a\\x1b[2Jb``) was relayed as it came: uvicorn refused to write it ("Invalid HTTP header
+    value") with the reply marked begun, so its client's connection closed with no status line
+    (the openai SDK sent the POST twice more: three calls upstream), and each request logged an
+    error with its traceback. The cached endpoints refuse such an answer as malformed (a 502,
+    not to be retried): so does pass-through. A tab and bytes past 0x7f are no control
+    characters: relayed as they came."""
+    caplog.set_level(logging.WARNING)
+    evil = (b"x-evil", b"a\x1b[2Jb")
+
+    def respond(call: RawCall) -> bytes:
+        if "/v1/fine" in call.line:
+            return raw_answer(200, b"OK", b"{}", headers=((b"x-fine", b"a\tb\xff"),))
+        if "/v1/chat/completions" in call.line:
+            return raw_answer(200, b"OK", chat_completion(), headers=(evil,))
+        return raw_answer(200, b"OK", b"{}", headers=(evil,))
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        relayed = await gw.client.post("/v1/batches", json={"input_file_id": "file-1"})
+        cached = await gw.client.post("/v1/chat/completions", json=chat)
+        fine = await gw.client.get("/v1/fine")
+    for refused in (relayed, cached):
+        assert refused.status_code == 502, refused.text
+        assert refused.headers["x-should-retry"] == "false"
+        assert refused.json()["error"]["type"] == "upstream_error"
+    assert relayed.json()["error"]["code"] == cached.json()["error"]["code"]
+    assert "malformed" in relayed.json()["error"]["message"]
+    assert "\x1b" not in relayed.text
+    assert [call.line.split()[1] for call in upstream.calls].count("/v1/batches") == 1
+    assert fine.status_code == 200
+    assert (b"x-fine", b"a\tb\xff") in fine.headers.raw
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

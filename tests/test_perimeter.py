@@ -22,7 +22,7 @@ import base64
 import inspect
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import orjson
 import pytest
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from carpool.config import Config, ConfigError, LimitsConfig
-from carpool.errors import PathRefused, RequestError, UpstreamUnreachable
+from carpool.errors import PathRefused, RequestError, UpstreamAnswerCut, UpstreamUnreachable
 from carpool.request import ClientRequest, parse
 from carpool.routing import build_policy
 from carpool.routing.replicas import ReplicaSet
@@ -959,6 +959,53 @@ async def test_failures_of_one_replica_are_logged_at_most_once_per_interval_with
     now[0] = 5000
     assert not await replicas.ready() and replicas.replicas[0].errors == 8
     assert replicas.replicas[0].failures == 6 and len(caplog.records) == 2
+
+
+class Cutting(Dead):
+    """An in-process upstream whose pass-through answers are cut after their first byte (its
+    cached endpoints' calls find it unreachable)."""
+
+    async def passthrough(
+        self, method: str, path: str, query: bytes, headers: Mapping[str, str], body: bytes
+    ) -> PassthroughResponse:
+        async def cut() -> AsyncIterator[bytes]:
+            yield b"{"
+            raise UpstreamAnswerCut("upstream replica-0 failed mid-answer (connection reset)")
+
+        return PassthroughResponse(200, [], cut())
+
+
+async def test_pass_through_answers_cut_are_logged_at_most_once_per_interval_with_a_count(caplog):
+    """Each pass-through answer its replica cut was a warning of its own: a replica cutting
+    every answer wrote a line per request, whatever ``routing.log_interval``. They are its
+    failures as any: one line per interval, the next counting those held back (its other
+    failures too: one budget per replica)."""
+    caplog.set_level(logging.INFO, logger="carpool.routing")
+    now = [1000.0]
+    replicas = ReplicaSet(
+        [Cutting()], build_policy("round-robin"), clock=lambda: now[0], log_interval=30
+    )
+
+    async def cut_at(t: float) -> None:
+        now[0] = t
+        answer = await replicas.passthrough("GET", "/files/f1/content", b"", {}, b"")
+        with pytest.raises(UpstreamAnswerCut):
+            async for _ in answer.body:
+                pass
+
+    for t in (1000, 1001, 1010, 1029):
+        await cut_at(t)
+    first = routing_lines(caplog)
+    assert len(first) == 1 and "replica-0 (http://10.0.0.9:8000/v1) cut" in first[0]
+    await cut_at(1031)
+    assert len(routing_lines(caplog)) == 2
+    assert "(3 more failure(s) not logged in the last 31 s)" in routing_lines(caplog)[1]
+    now[0] = 1040
+    with pytest.raises(UpstreamUnreachable):  # (within the interval: held back)
+        await replicas.send(UpstreamRequest("/chat/completions", {"model": "m"}))
+    await cut_at(1062)
+    lines = routing_lines(caplog)
+    assert len(lines) == 3 and "cut" in lines[2] and "(1 more failure(s)" in lines[2]
 
 
 class Flaky(Dead):

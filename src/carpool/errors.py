@@ -25,7 +25,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
-    │   │                             502 when the connection dropped unanswered)
+    │   │                             502 when the connection dropped unanswered, or the
+    │   │                             answer was malformed)
     │   ├── UpstreamKeyRefused        502: a 401/403 to a call with the gateway's own key
     │   ├── UpstreamRedirected        502: a redirect (not followed): a pass-through call's with a
     │   │                             ``Location``, any 3xx to a cached endpoint's call
@@ -312,8 +313,10 @@ class UpstreamNoAnswer(UpstreamTimeout):
 
     ``dropped``: not a timeout, the connection closed or reset after the request was written
     whole and before a byte of answer (an engine that crashed, or a proxy that cut the call,
-    mid-generation): a 502 (``code`` ``upstream_unreachable``, as when nothing was sent), and
-    likewise not run again, since the engine may have run it.
+    mid-generation), or an answer too malformed to read or relay (``upstream.wire``'s parser
+    refused it; a pass-through answer's header holding a control character): a 502 (``code``
+    ``upstream_unreachable``, as when nothing was sent), and likewise not run again, since the
+    engine may have run it.
     """
 
     also = _NOT_RETRIED

@@ -49,7 +49,10 @@ Contract:
 - A request whose handling fails (an exception nothing handled: a bug) is logged with its
   traceback and, if nothing was sent yet, answered 500 in OpenAI's error shape (a cached
   endpoint's in its API's, ``x-carpool: bypass``): ``InternalError``, never a bare
-  ``Internal Server Error``; once its head is sent, it is cut.
+  ``Internal Server Error``; once its head is sent, it is cut. A head the server refused
+  (``send`` raised) is none sent; but a server that counts its reply begun all the same
+  (uvicorn: it checks a head's fields once it marked it started) takes no 500 after it: the
+  connection is cut then too, the one failure logged.
 - Pass-through is confined to the upstream's ``/v1``: the path is judged as it came on the wire
   (ASGI ``raw_path``) by ``paths.confine`` (dot segments, encoded separators, control characters,
   empty segments: 400; outside ``passthrough.allow``: 403) before anything is read or sent; what
@@ -222,7 +225,9 @@ class GatewayApp:
             nonlocal headed
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", ()), (HEADER, rid)]
-                headed = True
+                await send(message)
+                headed = True  # (only once taken: a head the server refused, a 500 may follow)
+                return
             await send(message)
 
         cached = scope["method"] == "POST" and _cached_path(scope["path"])
@@ -240,12 +245,19 @@ class GatewayApp:
             log.exception("a request failed (500)")
             if not headed:
                 error, api = InternalError(), api_at(scope["path"])
-                await _send_whole(
-                    respond,
-                    error.status,
-                    [*_raw(error.headers()), *([Outcome.BYPASS.header] if cached else [])],
-                    api.error_body(error) if api is not None and cached else error.body(),
-                )
+                try:
+                    await _send_whole(
+                        respond,
+                        error.status,
+                        [*_raw(error.headers()), *([Outcome.BYPASS.header] if cached else [])],
+                        api.error_body(error) if api is not None and cached else error.body(),
+                    )
+                except RuntimeError:
+                    # The server refused a head and counts its reply begun all the same
+                    # (uvicorn checks a head's fields once it marked it started), so it takes
+                    # no other: the client's connection is cut, as for a reply failed once
+                    # begun. What failed is logged above; this is no second failure.
+                    pass
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
         if (

@@ -111,7 +111,8 @@ class RoutingConfig(Section):
         30.0,
         gt=0,
         description="Seconds between two warnings about one replica's failures (unreachable, "
-        "timed out, 5xx), whether it recovered in between or not; the next line counts the "
+        "timed out, 5xx, a pass-through answer cut part-way), whether it recovered in between "
+        "or not; the next line counts the "
         "failures and recoveries not logged in between. The first failure after a quiet period "
         "is always logged, and the recovery from a logged failure.",
     )

@@ -93,7 +93,8 @@ all, and so whether ``text`` matters):
   answered 503 made it healthy again while it failed every call), relayed all the same: not
   tried elsewhere, the call may have been acted on. An answer cut after its head (its body
   raising ``UpstreamAnswerCut``) is logged as such, a warning naming the replica without a
-  traceback, and raised on (the server cuts its client's connection); it leaves the replica
+  traceback (held back as its failures are, below: one line per ``log_interval``), and
+  raised on (the server cuts its client's connection); it leaves the replica
   in rotation, as a stream that broke part-way does (its head was counted by ``observe``,
   once, at its status).
 - Operators see every failure: a warning on the ``carpool.routing`` logger naming the replica
@@ -573,26 +574,40 @@ class ReplicaSet:
         self, replica: ReplicaState, body: AsyncIterator[bytes], release: Callable[[], None]
     ) -> AsyncIterator[bytes]:
         """A pass-through answer's body as it comes. Cut by its replica part-way (an
-        ``UpstreamError`` now: ``UpstreamAnswerCut``), it is logged (a warning naming the
-        replica, no traceback) and raised on for the server to cut its client's connection; the
+        ``UpstreamError`` now: ``UpstreamAnswerCut``), it is logged (``_cut``: a warning naming
+        the replica, no traceback, at most one per ``log_interval``) and raised on for the
+        server to cut its client's connection; the
         replica took the call and stays in rotation, as after a stream that broke part-way.
         However it ends (read whole, cut, closed part-way), the call is no longer in flight."""
         try:
             async for chunk in body:
                 yield chunk
         except UpstreamError as error:
-            log.warning(
-                "upstream %s cut a pass-through answer part-way (its client's connection is "
-                "cut too): %s",
-                self._called(replica),
-                _what(error),
-            )
+            self._cut(replica, error)
             raise
         finally:
             release()  # (first: synchronous, so that no cancellation of the close skips it)
             close = getattr(body, "aclose", None)
             if close is not None:  # (left part-way by its client: its connection let go now)
                 await close()
+
+    def _cut(self, replica: ReplicaState, error: UpstreamError) -> None:
+        """A pass-through answer of ``replica`` was cut part-way: a warning, at most one per
+        ``log_interval`` with its other failures' (a replica cutting every answer is no line
+        per request), the next line counting those held back. No verdict: it took the call."""
+        now = self.clock()
+        if replica.logged_at is not None and now - replica.logged_at < self.log_interval:
+            replica.unlogged += 1
+            return
+        log.warning(
+            "upstream %s cut a pass-through answer part-way (its client's connection is cut "
+            "too)%s: %s",
+            self._called(replica),
+            self._unlogged(replica),
+            _what(error),
+        )
+        replica.logged_at = now
+        self._counted(replica)
 
     def _succeeded(self, replica: ReplicaState) -> None:
         if not replica.healthy:

@@ -100,6 +100,12 @@ Contract (on top of ``upstream.base``):
 - Pass-through relays the answer's status, but a redirect's (with a ``Location``:
   ``UpstreamRedirected``, neither followed nor relayed) and a final status no answer has (a
   1xx, 600-999: ``UpstreamBadStatus``), both a 502; a 304 is relayed (a conditional GET's).
+  An answer with a header value holding a control character (but the tab: ESC, DEL; aiohttp
+  refuses NUL, CR, LF and a name that is no token itself) is malformed, and no server may
+  write it on: refused as a cached endpoint's parser refuses it, a 502 ``UpstreamNoAnswer``
+  (``dropped``: the engine may have acted on the call, so it is not sent again), its
+  connection let go (``_let_go``); a tab, and bytes past 0x7f (obs-text), are relayed as they
+  came.
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names; ``Transfer-Encoding`` among them) and, with a credential the gateway holds, what the upstream
@@ -184,7 +190,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from ..http_syntax import TOKEN
+from ..http_syntax import CONTROL, TOKEN
 from ..paths import confine
 from ..request_id import new_call_id
 from ..sse import SSEDecoder
@@ -785,6 +791,18 @@ class HttpUpstream:
             response.release()
             raise UpstreamBadStatus(
                 f"upstream {self.label} answered with status {response.status}, which no answer has"
+            )
+        if any(CONTROL.search(value.decode("latin-1")) for _, value in response.raw_headers):
+            # A field value with a control character (ESC, DEL...; aiohttp refuses NUL, CR, LF
+            # and a name that is no token itself) makes the answer malformed (RFC 9110 5.5).
+            # No server may write it on: uvicorn refused it with the reply counted as begun,
+            # and its client's connection closed with no status line (an SDK sent the call
+            # again). Refused as the cached endpoints' parser refuses it (``upstream.wire``).
+            _let_go(response)  # (aiohttp read its head well: kept if its body came whole)
+            raise UpstreamNoAnswer(
+                f"upstream {self.label} took the call but gave no answer (malformed answer: a"
+                " header with a control character)",
+                dropped=True,
             )
         dropped = NOT_RELAYED | HELD_KEY_NOT_RELAYED if self._held else NOT_RELAYED
         named = response.headers.getall("connection", ())
