@@ -109,10 +109,12 @@ def audit_run(out: Path, **semantic) -> dict:
     return asyncio.run(run_bench(options))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def free(tmp_path_factory) -> tuple[Path, dict]:
     """The loose cache's run without a budget, read by both tests below (the replay takes ~60 s
-    on two cores, and the same options make the same run)."""
+    on two cores, and the same options make the same run). For the session: a module's fixture
+    was made again when the worker ran another module's tests between the two (ci34: twice
+    80 s)."""
     out = tmp_path_factory.mktemp("free")
     return out, audit_run(out)
 

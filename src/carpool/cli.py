@@ -302,10 +302,20 @@ def serve(
             )
         os.environ[CONFIG_FILE_VARIABLE] = resolved.name
         os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
+        if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
+            # uvicorn's 5 s: a worker starting (carpool loaded, with the embedding model, on a
+            # busy machine) was not ready in time and a SIGHUP's restart was given up, the old
+            # workers serving on; one whose loop was busy 5 s was killed with its requests.
+            served["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
         server_config = uvicorn.Config(
             "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
         )
         _supervise_workers(server_config, listening)
+
+
+# How long uvicorn's supervisor waits for a worker to start, or to answer its health check,
+# before it gives a restart up or kills the worker (``serve --workers``).
+WORKER_HEALTHCHECK_S = 30
 
 
 def _supervise_workers(server_config: Any, listening: Callable[[int], None]) -> None:
