@@ -39,6 +39,19 @@ def answers_on(port: int, host: str = "127.0.0.1") -> None:
             time.sleep(0.05)
 
 
+def a_miss_then_a_hit(base: str) -> None:
+    """The same chat request twice to the gateway at ``base``: a miss, then a hit."""
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    url = f"{base}/v1/chat/completions"
+    assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "miss"
+    assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "hit"
+
+
 def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
     port = free_port()
     process = carpool("serve", "--port", str(port))
@@ -51,15 +64,7 @@ def test_serve_without_upstream_says_first_that_it_uses_the_simulated_engine():
         else:
             raise AssertionError("carpool serve exited before listening")
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
-        body = {
-            "model": "m",
-            "temperature": 0,
-            "max_tokens": 4,
-            "messages": [{"role": "user", "content": "hi"}],
-        }
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "miss"
-        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "hit"
+        a_miss_then_a_hit(f"http://127.0.0.1:{port}")
     finally:
         process.terminate()
         process.wait(10)
@@ -107,10 +112,7 @@ def test_serve_listens_on_an_ipv6_address_and_says_its_url_in_brackets(workers):
         assert "listening on http://[::1]:" in line, line
         port = int(line.split("listening on http://[::1]:")[1].split("/")[0])
         answers_on(port, "[::1]")
-        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-        url = f"http://[::1]:{port}/v1/chat/completions"
-        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "miss"
-        assert httpx.post(url, json=body, timeout=10).headers["x-carpool"] == "hit"
+        a_miss_then_a_hit(f"http://[::1]:{port}")
     finally:
         process.terminate()
         process.wait(10)
