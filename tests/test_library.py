@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import subprocess
 import sys
 import weakref
@@ -139,16 +140,21 @@ async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored(
     await gateway.aclose()
 
 
-async def test_a_function_that_raises_is_a_failed_call_of_its_replica():
+async def test_a_function_that_raises_is_a_failed_call_of_its_replica(caplog):
     # The client got its 502, but the replica's record said nothing: no upstream error, and
-    # the replica healthy.
+    # the replica healthy. (And each failure was an ERROR traceback, "flight ... failed
+    # unexpectedly", besides the replica's line once per log interval.)
     async def call(path, body):
         raise RuntimeError("model server down")
 
     gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
     for content in ("a", "b"):
         body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
-        assert (await gateway.request("/v1/chat/completions", body)).status == 502
+        reply = await gateway.request("/v1/chat/completions", body)
+        assert reply.status == 502
+        assert reply.json()["error"]["message"] == "upstream function raised RuntimeError"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["upstream function failed, left out for 5 s: raised RuntimeError"], said
     stats = gateway.snapshot()
     assert stats["upstream_calls"] == stats["upstream_errors"] == 2
     assert stats["replicas"]["function"]["errors"] == 2

@@ -13,13 +13,15 @@ No log line carries a URL's credentials or query: upstreams are logged by their 
 (``upstream.http.replica_names``), other URLs without user, password and query
 (``without_credentials``); so is an upstream whose path does not end in ``/v1``, in the one
 warning that says so. Start-up warns, once each, when the gateway
-holds an upstream key for anyone who asks, and when ``/stats``, ``/metrics`` and ``/dashboard``
-are open (no ``admin_token``) on an address beyond loopback.
+holds an upstream key for anyone who asks, when ``/stats``, ``/metrics`` and ``/dashboard``
+are open (no ``admin_token``) on an address beyond loopback, and when a proxy variable is set
+(``HTTPS_PROXY`` and the like: not read) while it has upstreams or Redis to reach.
 
 With ``--workers N``, each worker rebuilds the config from a file the parent writes
 (``config.loader.resolved_text``, a 0600 file): the parent loads that file back as a worker
 will, before any worker starts, and exits 2 with the reason if it fails or differs from its
-own, rather than let uvicorn restart workers that cannot start, for ever.
+own, rather than let uvicorn restart workers that cannot start, for ever. uvicorn's supervisor
+waits ``WORKER_HEALTHCHECK_S`` for a worker's start and health check (not its 5 s).
 """
 
 from __future__ import annotations
@@ -305,7 +307,8 @@ def serve(
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
             # uvicorn's 5 s: a worker starting (carpool loaded, with the embedding model, on a
             # busy machine) was not ready in time and a SIGHUP's restart was given up, the old
-            # workers serving on; one whose loop was busy 5 s was killed with its requests.
+            # workers serving on; one whose health-check thread got no turn for 5 s (a call
+            # holding the GIL, a stalled machine) was killed with its requests.
             served["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
         server_config = uvicorn.Config(
             "carpool.server:create_worker_app", factory=True, workers=config.workers, **served

@@ -66,6 +66,8 @@ Contract:
   and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
   carry: a path that is no cached endpoint, a header that is not text, a query no URL holds.
+  A gateway runs on the event loop of its first use (its app's start-up, or a library call,
+  which starts its layers): ``request`` or ``passthrough`` on another raises ``RuntimeError``.
   A header value it forwards upstream goes as an HTTP client's does (``http_syntax.value_bytes``:
   a character a byte, latin-1), or, with a character beyond latin-1, as its UTF-8.
 - ``passthrough``: any other ``/v1/...`` call, forwarded as it came and never cached, nor run

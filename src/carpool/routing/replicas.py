@@ -416,7 +416,10 @@ class ReplicaSet:
                     # the replica's record. Not failed over: the call may have run. (Any other
                     # exception is no verdict on the replica: a request the client library could
                     # not even build, say. The traceback is the flight's to log.)
-                    self._failed(replica, str(error), seen)  # (what it raised or returned)
+                    # (What it raised or returned: "raised RuntimeError".)
+                    self._failed(
+                        replica, str(error).removeprefix(f"upstream {replica.name} "), seen
+                    )
                     self._observe(replica, 502, decision)
                     raise
                 except BaseException:

@@ -16,12 +16,13 @@ config unless given): past it the function is cancelled and its clients get a 50
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
 
-from ..errors import PathNotAllowed, UpstreamTimeout
+from ..errors import PathNotAllowed, UpstreamError, UpstreamTimeout
 from .base import (
     PassthroughResponse,
     RequestBody,
@@ -30,12 +31,15 @@ from .base import (
     unstreamed,
 )
 
+log = logging.getLogger("carpool.upstream")
+
 Call = Callable[[str, dict[str, Any]], Awaitable[Mapping[str, Any]]]
 
 
-class FunctionFailed(Exception):
-    """The wrapped function raised (its exception is the ``__cause__``): a failed call of the
-    replica (``routing.replicas``), a 502 to its clients."""
+class FunctionFailed(UpstreamError):
+    """The wrapped function raised (its exception is the ``__cause__``, its traceback logged at
+    debug) or returned no JSON object: a failed call of the replica (``routing.replicas``),
+    logged as its failures are (once per ``routing.log_interval``), a 502 to its clients."""
 
 
 class FunctionUpstream:
@@ -54,13 +58,18 @@ class FunctionUpstream:
                 f"upstream {self.name} did not answer within {self.timeout:g} s"
             ) from None
         except Exception as error:  # (the function's own failure: a failed call of its replica)
-            raise FunctionFailed(f"{self.name} raised {type(error).__name__}") from error
+            log.debug("upstream %s raised", self.name, exc_info=error)
+            raise FunctionFailed(f"upstream {self.name} raised {type(error).__name__}") from error
         if not isinstance(result, Mapping):
-            raise FunctionFailed(f"{self.name} returned {type(result).__name__}, not a JSON object")
+            raise FunctionFailed(
+                f"upstream {self.name} returned {type(result).__name__}, not a JSON object"
+            )
         try:
             answer = orjson.dumps(result)
         except TypeError as error:  # (a value inside that JSON cannot hold)
-            raise FunctionFailed(f"{self.name} returned what is not JSON: {error}") from None
+            raise FunctionFailed(
+                f"upstream {self.name} returned what is not JSON: {error}"
+            ) from None
         return UpstreamResponse(200, {"content-type": "application/json"}, body=answer)
 
     async def passthrough(
