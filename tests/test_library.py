@@ -187,6 +187,15 @@ async def test_a_function_that_never_answers_is_a_504_after_the_upstream_timeout
     stats = gateway.snapshot()
     assert stats["upstream_errors"] == 1 and stats["replicas"]["function"]["state"] != "healthy"
     await gateway.aclose()
+
+    # A TimeoutError of the function's own (its client's timeout) is its failure, a 502.
+    async def timed_out(path, body):
+        raise TimeoutError
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(timed_out)])
+    reply = await gateway.request("/v1/chat/completions", body)
+    assert reply.status == 502 and "raised TimeoutError" in reply.json()["error"]["message"]
+    await gateway.aclose()
     # A bound given with the function stands over the config's.
     assert FunctionUpstream(call, timeout=5.0).timeout == 5.0
     kept = FunctionUpstream(call, timeout=5.0)

@@ -50,14 +50,15 @@ class FunctionUpstream:
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         body = unstreamed(request.body)
+        bound = asyncio.timeout(self.timeout)
         try:
-            async with asyncio.timeout(self.timeout):
+            async with bound:
                 result = await self.call(request.path, body)
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"upstream {self.name} did not answer within {self.timeout:g} s"
-            ) from None
         except Exception as error:  # (the function's own failure: a failed call of its replica)
+            if isinstance(error, TimeoutError) and bound.expired():  # (not one of its own)
+                raise UpstreamTimeout(
+                    f"upstream {self.name} did not answer within {self.timeout:g} s"
+                ) from None
             log.debug("upstream %s raised", self.name, exc_info=error)
             raise FunctionFailed(f"upstream {self.name} raised {type(error).__name__}") from error
         if not isinstance(result, Mapping):
