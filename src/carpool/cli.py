@@ -390,7 +390,7 @@ def _loopback(host: str) -> bool:
     if host.lower() in ("localhost", "localhost."):
         return True
     with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback  # (``[::1]`` is ::1 once loaded)
     with contextlib.suppress(OSError):  # (127.1: IPv4 as the socket calls read it)
         return ipaddress.ip_address(socket.inet_aton(host)).is_loopback
     return False
