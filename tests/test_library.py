@@ -126,6 +126,38 @@ async def test_a_long_answer_hit_as_a_stream_is_its_whole_body_through_the_libra
     await gateway.aclose()
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_bypassed_stream_of_a_function_is_sse_as_its_flights_are(include_usage):
+    """A sampled request shares nothing (``bypass``): the function is called for it alone, and
+    still never asked to stream; a client that asked for a stream is sent the answer as SSE,
+    as a flight's client is, the usage chunk if it asked for it, never the JSON body."""
+    calls = []
+
+    async def call(path, body):
+        calls.append(body)
+        return {**_completion("hi"), "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": "x"}],
+        **({"stream_options": {"include_usage": True}} if include_usage else {}),
+    }
+    reply = await gateway.request("/v1/chat/completions", body)
+    assert reply.outcome is Outcome.BYPASS and len(calls) == 1 and "stream" not in calls[0]
+    assert dict(reply.headers)[b"content-type"].startswith(b"text/event-stream")
+    events = [line[6:] for line in reply.body.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(event) for event in events[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "hi"
+    )
+    assert any(chunk.get("usage") for chunk in chunks) is include_usage
+    await gateway.aclose()
+
+
 async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored():
     async def call(path, body):
         raise RuntimeError("model exploded")
@@ -592,3 +624,39 @@ async def _lifespan(app: object, expected: str) -> str | None:
         await app(scope, messages.get, send)  # type: ignore[operator]
     assert sent[0]["type"] == f"lifespan.{expected}", sent
     return sent[0].get("message")
+
+
+async def test_a_mounted_app_whose_gateway_is_closed_refuses_its_v1_requests_with_a_503():
+    """Mounted by a host app, the gateway closed by the host while the app stays mounted: a
+    cached endpoint served a miss on layers closed (the upstream pool opened again, nothing to
+    close it), a pass-through call was a 500 with a traceback. Refused now, as a request the
+    shutdown cut is: a 503 with ``Retry-After``, ``shutting_down``, nothing sent upstream."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from carpool import create_app
+    from fakes.serving import serve_app
+
+    calls = []
+
+    async def call(path, body):
+        calls.append(body)
+        return _completion("hi")
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    host = Starlette(routes=[Mount("/gw", app=create_app(gateway))])
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "x"}]}
+    async with serve_app(host) as url, httpx.AsyncClient(base_url=url + "/gw") as client:
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await gateway.aclose()
+        other = {**body, "messages": [{"role": "user", "content": "y"}]}
+        refused = [
+            await client.post("/v1/chat/completions", json=body),  # (its answer stored)
+            await client.post("/v1/chat/completions", json=other),
+            await client.get("/v1/models"),
+        ]
+    assert [r.status_code for r in refused] == [503] * 3
+    assert {r.json()["error"]["code"] for r in refused} == {"shutting_down"}
+    assert all(r.headers["retry-after"] == "1" for r in refused)
+    assert len(calls) == 1

@@ -494,6 +494,29 @@ async def test_a_library_gateway_never_started_looks_its_tracer_up_on_its_first_
         await gateway.aclose()
 
 
+async def test_an_app_mounted_without_its_lifespan_starts_its_gateway_on_its_first_request(spans):
+    # A host app that mounts it (``Mount``) does not forward its lifespan: the gateway was never
+    # started, its tracer never looked up (nor, with Redis, its invalidations listened to).
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from carpool import create_app
+    from fakes.serving import serve_app
+
+    provider, exporter = spans
+    gateway = build_gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))
+    gateway.tracer.provider = provider  # (installed after the gateway was built)
+    host = Starlette(routes=[Mount("/gw", app=create_app(gateway))])
+    try:
+        async with serve_app(host) as url, httpx.AsyncClient(base_url=url + "/gw") as client:
+            refused = await client.post("/v1/chat/completions", content=b"not json")
+        assert refused.status_code == 400
+        assert [s.name for s in exporter.get_finished_spans()] == ["carpool.request"]
+    finally:
+        await gateway.aclose()
+
+
 def test_buckets_count_a_value_on_a_bound_in_that_bucket_and_are_cumulative_up_to_inf():
     buckets = Buckets("x", "", (0.1, 1.0, float("inf")))
     for value in (0.05, 0.1, 0.5, 1.0, 7.0):

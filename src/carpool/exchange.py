@@ -44,7 +44,8 @@ Contract:
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
   (``_pipe``), never judged further, never stored; but a whole 2xx body that is not JSON
   (cut short: a close-delimited body its server dropped midway) gets the miss path's 502
-  (``NOT_JSON``), never a 200 its client cannot parse; and a stream an idempotency record keeps
+  (``NOT_JSON``), never a 200 its client cannot parse; a whole answer to a client that asked
+  for a stream (a function upstream's) is sent as SSE (``reply.whole``); and a stream an idempotency record keeps
   (``Request.recorded``) is asked for its usage as a flight is (``upstream.stream_usage``), its
   usage chunk hidden from a client that did not ask and kept for the record
   (``Reply.with_usage``).
@@ -89,7 +90,7 @@ from .http_syntax import shared_cache_may_store
 from .identity import tenant_of
 from .outcome import Outcome
 from .prefix import root_of
-from .reply import NO_STORE, SSE_HEADERS, Reply, error_reply, failure_of
+from .reply import NO_STORE, SSE_HEADERS, Reply, error_reply, failure_of, whole
 from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -362,8 +363,10 @@ class Exchange:
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def bypass(self, request: Request, route: str) -> Reply:
-        """A request that shares nothing, sent as it came and relayed as it comes. Counted once
-        the upstream answered (or failed): a client that leaves before is ``abandoned``.
+        """A request that shares nothing, sent as it came and relayed as it comes (but a whole
+        answer to a client that asked for a stream, which SSE carries as a flight's does).
+        Counted once the upstream answered (or failed): a client that leaves before is
+        ``abandoned``.
 
         But a stream an idempotency record keeps (``Request.recorded``) that did not ask for
         its usage is asked with it (``upstream.stream_usage``), as a flight is: its retries
@@ -422,6 +425,18 @@ class Exchange:
                 return error_reply(UpstreamError(NOT_JSON), Outcome.BYPASS, api)
             if isinstance(parsed, dict) and failure_of(api, parsed) is None:
                 self._accepted(request)
+            if request.stream and isinstance(parsed, dict):
+                # A whole answer to a client that asked for a stream (a function upstream,
+                # never asked to stream; an engine that ignored ``stream``): sent as SSE, as a
+                # flight's whole answer is (``reply.whole``), not JSON its SDK cannot read.
+                answer = Answer.from_body(
+                    request.kind, parsed, response.body, api.complete(parsed, body)
+                )
+                answer.no_store = not shared_cache_may_store(
+                    response.headers.get("cache-control", "")
+                )
+                now = self.layers.clock.now()
+                return whole(Outcome.BYPASS, answer, True, request.include_usage, now=now)
         ctype = response.headers.get("content-type")
         # (The upstream's, or none if it named none: never an empty one.)
         headers = [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header]

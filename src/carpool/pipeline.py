@@ -187,7 +187,7 @@ class Gateway:
         self.shared_flights = layers.shared_flights
         self.peers = layers.peers
         self.closed = False  # (``aclose``)
-        self._loop: asyncio.AbstractEventLoop | None = None  # (the one it runs on: ``_bound``)
+        self._loop: asyncio.AbstractEventLoop | None = None  # (the one it runs on: ``bind``)
         self.invalidations = layers.invalidations
         self.semantic = layers.semantic
         self.idempotency = layers.idempotency
@@ -681,8 +681,8 @@ class Gateway:
         name or value, or a ``query``,
         that is not a ``str``; ``RuntimeError`` once the gateway is closed (``aclose``: its
         upstream connections would be opened again, and nothing would close them), or on
-        another event loop than the one it was first used on (``_bound``)."""
-        self._bound()
+        another event loop than the one it was first used on (``bind``)."""
+        self.bind()
         raw = body if isinstance(body, bytes) else orjson.dumps(body)
         client = ClientRequest(_endpoint(path), raw, _lowered(headers or {}), _query_of(query))
         started = time.monotonic()
@@ -755,7 +755,7 @@ class Gateway:
         forwarded for the upstream to honour (or not), but with a credential the gateway holds
         (``upstream.http``).
         ``RuntimeError`` once the gateway is closed, or on another event loop, as ``request``."""
-        self._bound()
+        self.bind()
         # The key is checked as on the cached endpoints (a client that sent a malformed one
         # hears so wherever it sent it) but not recorded: the gateway keeps no record of a call
         # it does not understand (a body of any size and type, a stream, a file), so it cannot
@@ -884,10 +884,16 @@ class Gateway:
             self._loop = asyncio.get_running_loop()
         self.layers.start()
 
-    def _bound(self) -> None:
-        """A library call (``request``, ``passthrough``) on the gateway's event loop: the first
-        binds it and starts its layers (``start``: a host that mounts the app without its
-        lifespan, or never serves it, had its tracer never looked up); a call on another loop
+    @property
+    def started(self) -> bool:
+        """Whether the gateway is bound to its event loop (``start`` there, or ``bind``)."""
+        return self._loop is not None
+
+    def bind(self) -> None:
+        """A library call (``request``, ``passthrough``), or an HTTP request to an app mounted
+        without its lifespan (``GatewayApp``), on the gateway's event loop: the first binds it
+        and starts its layers (``start``: a host that mounts the app without its lifespan, or
+        never serves it, had its tracer never looked up); a call on another loop
         is refused (``asyncio.run`` a request: the upstream connections, Redis's and the
         timers belong to the first loop: a 502 blamed on the upstream, then ``aclose`` failed)."""
         if self.closed:

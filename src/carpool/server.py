@@ -41,6 +41,10 @@ Contract:
   a pass-through call not answered yet is a 503 with ``Retry-After`` in OpenAI's error shape,
   with its ``x-request-id``; a pass-through answer being relayed has its connection cut, never
   its body ended as if whole.
+- Mounted by a host app that does not forward its lifespan (Starlette's ``Mount``), the gateway
+  is started by its first request (``Gateway.bind``), as by a library call; once the gateway
+  is closed (the host's lifespan closed it), every ``/v1`` request is refused as one the
+  shutdown cut (``ShuttingDown``, 503, ``Retry-After``), never served on closed layers.
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app. Pass-through
   takes GET (HEAD), POST, PUT, PATCH, DELETE and OPTIONS (a browser's CORS preflight), on a
@@ -216,6 +220,11 @@ class GatewayApp:
             return
         if scope.get("root_path"):  # (mounted by a host app, or served under a prefix)
             scope = _below(scope, scope["root_path"])
+        if not self.gateway.started and not self.gateway.closed:
+            # Mounted by a host app that does not forward its lifespan (Starlette's ``Mount``):
+            # never started, its invalidations never listened to. Started by its first request,
+            # as by a library call. (Closed: refused, ``_route``.)
+            self.gateway.bind()
         # Every response says which request it answers (``request_id``), as its log lines do.
         rid = request_id(scope["headers"])
         REQUEST_ID.set(rid.decode("ascii"))
@@ -260,6 +269,12 @@ class GatewayApp:
                     pass
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.gateway.closed and scope["path"].startswith("/v1/"):
+            # Closed by a host app's lifespan, the app still mounted: refused as a request the
+            # shutdown cut is, never served on closed layers (an upstream pool opened again,
+            # nothing to close it).
+            await self._refuse(send, ShuttingDown(CLOSED), _endpoint_api(scope))
+            return
         if (
             self.client_keys is not None
             and scope["path"].startswith("/v1/")
@@ -563,6 +578,9 @@ def _passthrough_path(scope: Scope, allow: list[str]) -> str:
     """The confined path relative to /v1 (``paths.confine``), judged on the path as sent, not
     as decoded: "%2e%2e" and "%2f" must be seen for what they are."""
     return confine(scope.get("raw_path") or scope["path"].encode("utf-8"), allow)
+
+
+CLOSED = "The gateway is closed and serves no more requests. Retry it."
 
 
 def _endpoint_api(scope: Scope) -> Api | None:
