@@ -1127,6 +1127,71 @@ def _coded(status: int, body: bytes, coding: bytes, *more: tuple[bytes, bytes]) 
     return raw_answer(status, b"Whatever", body, headers=((b"content-encoding", coding), *more))
 
 
+RETRY = [(b"retry-after", b"7"), (b"retry-after-ms", b"7000"), (b"x-should-retry", b"false")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0, 0.7], ids=["flight", "bypass"])
+async def test_an_upstream_refusal_keeps_what_it_said_of_when_to_retry_shared_or_not(
+    gw, fake, temperature, stream
+):
+    """A sampled request's refusal (a bypass: any request without a temperature) lost the
+    upstream's ``Retry-After``, ``retry-after-ms`` and ``x-should-retry``: its SDK hammered a
+    rate-limited upstream, or retried a failure the upstream said not to retry."""
+    fake.fail_status, fake.response_headers = 429, RETRY
+    response = await gw.chat(temperature=temperature, stream=stream)
+    assert response.status_code == 429
+    assert [(name, response.headers.get(name.decode())) for name, _ in RETRY] == [
+        (name, value.decode()) for name, value in RETRY
+    ]
+
+
+@pytest.mark.parametrize("body", [b"[1, 2, 3]", b'"ok"', b"null"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0, 0.7], ids=["flight", "bypass"])
+async def test_a_2xx_body_that_is_no_json_object_is_a_502_shared_or_not(body, stream, temperature):
+    """A bypass relayed a JSON array or string as a 200 (an SDK returned a bare list; a
+    streaming client got an empty stream and no error), where a flight answered a 502."""
+    async with (
+        raw_upstream(lambda call: raw_answer(200, b"OK", body)) as upstream,
+        run_gateway([upstream.url]) as gw,
+    ):
+        response = await gw.chat(temperature=temperature, stream=stream)
+        assert response.status_code == 502, response.text
+        assert "not a JSON object" in response.json()["error"]["message"]
+        assert (await gw.client.get("/stats")).json()["upstream_errors"] == 1
+
+
+# Answers whose 2xx head the upstream sent, then failed (``test_a_bypassed_call...``).
+FAILED_2XX = {
+    "error-event": raw_answer(
+        200, b"OK", b'data: {"error": {"message": "overloaded"}}\n\n', b"text/event-stream"
+    ),
+    "empty": raw_answer(200, b"OK", b"", b"text/event-stream"),
+    "not-json": raw_answer(200, b"OK", b"<html>down for maintenance</html>", b"text/html"),
+}
+
+
+@pytest.mark.parametrize("how", ["cut", *FAILED_2XX])
+async def test_a_bypassed_call_that_failed_is_counted_in_upstream_errors_as_a_flights(fake, how):
+    """A bypassed call whose stream broke, carried the upstream's error event or nothing, or
+    whose 2xx body was no JSON, was counted in no ``upstream_errors`` (a flight's is): the
+    failures of sampled traffic went unseen."""
+    async with contextlib.AsyncExitStack() as stack:
+        if how == "cut":
+            fake.cut_after, url = 1, fake.url
+        else:
+            upstream = await stack.enter_async_context(raw_upstream(lambda _: FAILED_2XX[how]))
+            url = upstream.url
+        gw = await stack.enter_async_context(run_gateway([url]))
+        response = await gw.chat(temperature=0.7, stream=how != "not-json")
+        assert response.headers["x-carpool"] == "bypass"
+        assert response.status_code == 502 if how == "not-json" else b"error" in response.content
+        assert (await gw.client.get("/stats")).json()["upstream_errors"] == 1
+        metrics = (await gw.client.get("/metrics")).text
+        assert "\ncarpool_upstream_errors_total 1.0\n" in metrics
+
+
 @pytest.mark.parametrize(
     ("coding", "compress", "status", "retry"),
     [

@@ -97,6 +97,7 @@ from .upstream.base import UpstreamRequest, UpstreamResponse
 if TYPE_CHECKING:
     from .config import Config
     from .layers import Layers
+    from .metrics import Stats
 
 # The end of the key of a flight whose call is asked without its usage (``flight_key``).
 WITHOUT_USAGE = "\nwithout usage"
@@ -405,27 +406,38 @@ class Exchange:
         self.layers.stats.count(route, Outcome.BYPASS)
         self._refused(request, response.status)
         ok = 200 <= response.status < 300
+        # A refusal keeps what its upstream said of when to retry (``retry_headers``), as a
+        # flight's does (``UpstreamStatusError``): its SDK waits, or does not retry at all.
+        said = [] if ok else [(n.encode(), v.encode()) for n, v in retry_headers(response.headers)]
         if response.streaming:
-            # (Its credential accepted once the stream ended whole, as a flight's call.)
+            # (Its credential accepted once the stream ended whole, as a flight's call; a 2xx
+            # stream that failed on the way is a failed call, as a flight's: ``_pipe``.)
             accepted = partial(self._accepted, request) if ok else None
             return Reply(
                 response.status,
-                [*SSE_HEADERS, header],
-                stream=_pipe(api, response, accepted, kept),
+                [*SSE_HEADERS, header, *said],
+                stream=_pipe(api, response, accepted, kept, self.layers.stats if ok else None),
                 outcome=Outcome.BYPASS,
                 with_usage=None if kept is None else partial(b"".join, kept),
             )
         if ok:
+            failed: UpstreamError | None = None
             try:
                 parsed = orjson.loads(response.body)
             except orjson.JSONDecodeError:
-                # Cut short (a close-delimited body its server dropped midway) or not JSON at
-                # all: no answer, as the miss path judges it (``_complete``), never a 200 a
-                # client cannot parse.
-                return error_reply(UpstreamError(NOT_JSON), Outcome.BYPASS, api)
-            if isinstance(parsed, dict) and failure_of(api, parsed) is None:
+                failed = UpstreamError(NOT_JSON)
+            else:
+                if not isinstance(parsed, dict):
+                    failed = UpstreamError(NOT_OBJECT)
+            if failed is not None:
+                # Cut short (a close-delimited body its server dropped midway), not JSON at all
+                # or no object: no answer, as the miss path judges it (``_complete``), never a
+                # 200 a client cannot parse; a failed call, counted as a flight's is.
+                self.layers.stats.upstream_errors += 1
+                return error_reply(failed, Outcome.BYPASS, api)
+            if failure_of(api, parsed) is None:
                 self._accepted(request)
-            if request.stream and isinstance(parsed, dict):
+            if request.stream:
                 # A whole answer to a client that asked for a stream (a function upstream,
                 # never asked to stream; an engine that ignored ``stream``): sent as SSE, as a
                 # flight's whole answer is (``reply.whole``), not JSON its SDK cannot read.
@@ -442,6 +454,7 @@ class Exchange:
         headers = [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header]
         if ok and not shared_cache_may_store(response.headers.get("cache-control", "")):
             headers.append(NO_STORE)  # (as ``reply.whole`` says it: for the caches past this one)
+        headers.extend(said)
         return Reply(response.status, headers, response.body, outcome=Outcome.BYPASS)
 
     def _refused(self, request: Request, status: int) -> None:
@@ -462,6 +475,7 @@ class Exchange:
 
 
 NOT_JSON = "the upstream answered with a body that is not JSON"  # (a 2xx's: 502)
+NOT_OBJECT = "the upstream answered with a body that is not a JSON object"
 
 
 def accepts(answer: Answer) -> bool:
@@ -592,7 +606,7 @@ def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
     except orjson.JSONDecodeError:
         raise UpstreamError(NOT_JSON) from None
     if not isinstance(parsed, dict):
-        raise UpstreamError("the upstream answered with a body that is not a JSON object")
+        raise UpstreamError(NOT_OBJECT)
     return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
 
 
@@ -658,6 +672,7 @@ async def _pipe(
     response: UpstreamResponse,
     accepted: Callable[[], None] | None = None,
     kept: list[bytes] | None = None,
+    stats: Stats | None = None,
 ) -> AsyncIterator[bytes]:
     """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
     (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
@@ -665,7 +680,8 @@ async def _pipe(
     upstream sent; but with ``kept`` (``Exchange.bypass``: asked with the usage its client did
     not ask for), the usage chunk is left out of what the client is sent, and every frame, that
     one too, is added to ``kept``, then the stream's end if it ended whole. ``accepted`` is
-    called once it ended whole, without an error event."""
+    called once it ended whole, without an error event; a failure is counted in ``stats``'
+    ``upstream_errors`` (a 2xx stream's: a refusal's status was counted as it came)."""
     sent = 0  # events its client was sent (an error event is numbered after them)
     try:
         async for payloads in response.events():
@@ -676,6 +692,8 @@ async def _pipe(
                 if error is not None:
                     # The upstream's own error ends it, framed as its API frames errors (a
                     # typed stream's SDK ignores an event without its name): no second one.
+                    if stats is not None:
+                        stats.upstream_errors += 1
                     yield b"".join(frames) + api.error_event(
                         UpstreamStreamBroken(
                             f"the upstream stream failed: {error.get('message')}", error
@@ -700,6 +718,8 @@ async def _pipe(
         if api.stream_end:
             yield api.stream_end
     except UpstreamError as error:
+        if stats is not None:
+            stats.upstream_errors += 1
         yield api.error_event(error, sent)
     finally:
         await response.aclose()
