@@ -60,6 +60,27 @@ def test_a_tenant_is_bounded_by_its_own_grants_before_it_pushes_other_tenants_ou
     assert len(accepted) == 1 and ("b", "g1") in accepted
 
 
+def test_a_2xx_of_a_call_sent_before_its_tenants_refusal_accepts_nothing():
+    accepted = AcceptedCredentials(ttl=60, max_entries=2, clock=ManualClock())
+    before = accepted.begun()
+    accepted.refuse("t")
+    accepted.accept("t", "g", before)  # (a long stream sent before the refusal, ended after)
+    accepted.accept("u", "g", before)  # another tenant: not refused
+    assert ("t", "g") not in accepted and ("u", "g") in accepted
+    accepted.accept("t", "g", accepted.begun())  # sent after it: the key is good again
+    assert ("t", "g") in accepted
+    # Refusals pushed out of the bound: a tenant no longer listed may have been among them,
+    # so no call sent before the last one pushed out accepts it (unsure: not shared).
+    sent = accepted.begun()
+    for tenant in "abc":
+        accepted.refuse(tenant)
+    accepted.accept("a", "g", sent)  # ("a" pushed out, refused after ``sent``)
+    accepted.accept("c", "g", sent)  # (listed: refused after ``sent``)
+    assert ("a", "g") not in accepted and ("c", "g") not in accepted
+    accepted.accept("a", "g", accepted.begun())
+    assert ("a", "g") in accepted
+
+
 def test_accepting_again_keeps_a_grant_for_another_ttl():
     clock = ManualClock()
     accepted = AcceptedCredentials(ttl=60, clock=clock)

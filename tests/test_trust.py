@@ -524,6 +524,35 @@ async def test_a_key_refused_on_a_pass_through_call_is_accepted_for_nothing_any_
         assert again.status_code == (401 if refusal == 401 else 200)
 
 
+@pytest.mark.parametrize("temperature", [0, 0.7], ids=["flight", "bypass"])
+async def test_a_call_sent_before_its_keys_refusal_accepts_nothing_when_it_ends(
+    fake, gateway_with, temperature
+):
+    """A 2xx of a call sent before the upstream refused its key (a long stream that ends
+    after the refusal) accepted the key again: the revoked key read the other tenants' answers
+    in the shared namespaces for ``tenant.accepted_ttl``."""
+    fake.valid_keys = {"a", "b"}
+    a, b = {"Authorization": "Bearer a"}, {"Authorization": "Bearer b"}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        assert (await gw.chat("shared", headers={**a, **shared})).status_code == 200
+        fake.chunk_gate = asyncio.Event()
+        slow = asyncio.create_task(gw.stream_chat("long", headers=b, temperature=temperature))
+        await fake.chunk_gate_reached.wait()  # (its head said 200: sent with a good key)
+        fake.valid_keys = {"a"}  # b's key revoked upstream
+        assert (await gw.chat("other", headers=b)).status_code == 401
+        fake.chunk_gate.set()
+        streamed, text = await slow
+        assert streamed.status_code == 200 and text.endswith("data: [DONE]\n\n")
+        again = await gw.chat("shared", headers={**b, **shared})
+        assert again.headers["x-carpool"] == "miss", "a revoked key read another tenant's answer"
+        assert again.status_code == 401
+        # A call sent after the refusal accepts again (the key reinstated).
+        fake.valid_keys = {"a", "b"}
+        assert (await gw.chat("again", headers=b)).status_code == 200
+        assert (await gw.chat("shared", headers={**b, **shared})).headers["x-carpool"] == "hit"
+
+
 async def test_in_a_shared_namespace_another_tenants_refusal_is_not_handed_to_a_joiner(
     fake, gateway_with
 ):

@@ -254,6 +254,7 @@ class Exchange:
             api.last_event,
             request.client_ids,
         )
+        begun = self.layers.accepted.begun()  # (a refusal while it runs: its 2xx accepts none)
         peers = self.layers.peers
         response, said = None, None
         if owner is not None and peers is not None:
@@ -325,7 +326,7 @@ class Exchange:
         finally:
             await response.aclose()
         if judges and accepts(answer):
-            self._accepted(request)
+            self._accepted(request, begun)
         if not answer.complete:
             # Whose call it was: a body reporting an error may quote this request, which a
             # client of another is told without its words (``Answer.for_others``).
@@ -385,6 +386,7 @@ class Exchange:
             and self.config.upstream.stream_usage
         ):
             body, kept = api.streamed(body, True), []
+        begun = self.layers.accepted.begun()  # (a refusal while it runs: its 2xx accepts none)
         try:
             response = await send(
                 self.layers,
@@ -412,7 +414,7 @@ class Exchange:
         if response.streaming:
             # (Its credential accepted once the stream ended whole, as a flight's call; a 2xx
             # stream that failed on the way is a failed call, as a flight's: ``_pipe``.)
-            accepted = partial(self._accepted, request) if ok else None
+            accepted = partial(self._accepted, request, begun) if ok else None
             return Reply(
                 response.status,
                 [*SSE_HEADERS, header, *said],
@@ -436,7 +438,7 @@ class Exchange:
                 self.layers.stats.upstream_errors += 1
                 return error_reply(failed, Outcome.BYPASS, api)
             if failure_of(api, parsed) is None:
-                self._accepted(request)
+                self._accepted(request, begun)
             if request.stream:
                 # A whole answer to a client that asked for a stream (a function upstream,
                 # never asked to stream; an engine that ignored ``stream``): sent as SSE, as a
@@ -462,12 +464,13 @@ class Exchange:
         if status in (401, 403):
             self.layers.accepted.refuse(requester(request.headers, self.config))
 
-    def _accepted(self, request: Request) -> None:
-        """The upstream answered the requester (``accepts``): its credentials are accepted for
-        the request's grant (``identity.py``)."""
+    def _accepted(self, request: Request, begun: int) -> None:
+        """The upstream answered the requester (``accepts``) on a call sent when ``begun``
+        (``AcceptedCredentials.begun``): its credentials are accepted for the request's grant
+        (``identity.py``), unless refused since."""
         names = names_of(self.config.tenant)
         grant = grant_of(request, names, neutral_of(self.config.fingerprint))
-        self.layers.accepted.accept(tenant_of(request.headers, names), grant)
+        self.layers.accepted.accept(tenant_of(request.headers, names), grant, begun)
 
     def _routing_text(self, request: Request) -> str:
         """The prompt for routing, where there is a choice to make (``ReplicaSet.chooses``)."""

@@ -19,7 +19,9 @@ Contract (CONTRACT.md "Tenants"; docs/security.md):
   only a tenant accepted for the request's grant reads what others computed (cache, flights,
   semantic entries); any other request is scoped to its own tenant until the upstream accepts
   it, so a made-up, revoked or under-privileged key never reads anything it was not given. A 401
-  or 403 for a tenant forgets every grant of it at once (``refuse``). Bounded (``max_entries``,
+  or 403 for a tenant forgets every grant of it at once (``refuse``), and a 2xx of a call sent
+  before that refusal (``begun``: a long stream that ends after it) accepts nothing: the key may
+  have been revoked since the call was sent. Bounded (``max_entries``,
   oldest out, and at most ``per_tenant`` grants a tenant, so that one key making up query
   strings cannot push the others out) and forgetful (``ttl`` seconds after the last 2xx, on
   ``clock.monotonic()``: the system's unless given another).
@@ -170,11 +172,25 @@ class AcceptedCredentials:
         )
         # tenant -> its grants, oldest first (a dict as an ordered set), for ``refuse``
         self._grants: dict[str, dict[Hashable, None]] = {}
+        # Refusals numbered in order: tenant -> its last one's number, oldest first, at most
+        # ``max_entries``; one pushed out raises ``_floor``, which a tenant not listed is held
+        # to (unsure whether it was refused after a call was sent: that call accepts nothing).
+        self._refusals = 0
+        self._refused: dict[str, int] = {}
+        self._floor = 0
 
     def __len__(self) -> int:
         return len(self._last)
 
-    def accept(self, tenant: str, grant: Hashable) -> None:
+    def begun(self) -> int:
+        """What a call sent now passes to ``accept`` once its 2xx came (the refusals so far)."""
+        return self._refusals
+
+    def accept(self, tenant: str, grant: Hashable, begun: int | None = None) -> None:
+        """The upstream answered ``tenant`` for ``grant`` with a 2xx, on a call sent when
+        ``begun`` said so; none accepts if the tenant was refused since (None: sent now)."""
+        if begun is not None and begun < self._refused.get(tenant, self._floor):
+            return  # (its 2xx says nothing of the credential since it was refused)
         grants = self._grants.setdefault(tenant, {})
         grants.pop(grant, None)
         grants[grant] = None
@@ -185,9 +201,16 @@ class AcceptedCredentials:
             self._last.put((tenant, grant), self._last.now())  # oldest pairs out (``_unlist``)
 
     def refuse(self, tenant: str) -> None:
-        """The upstream refused the tenant's credential (401, 403): it is accepted for nothing."""
+        """The upstream refused the tenant's credential (401, 403): it is accepted for nothing,
+        nor by a call sent before now (``accept``)."""
         for grant in list(self._grants.get(tenant, ())):
             self._forget((tenant, grant))
+        self._refusals += 1
+        self._refused.pop(tenant, None)
+        self._refused[tenant] = self._refusals
+        if len(self._refused) > self.max_entries:
+            oldest = next(iter(self._refused))
+            self._floor = self._refused.pop(oldest)
 
     def __contains__(self, pair: object) -> bool:
         return pair in self._last  # an expired pair is forgotten (``_unlist``)
