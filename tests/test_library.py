@@ -158,6 +158,26 @@ async def test_a_bypassed_stream_of_a_function_is_sse_as_its_flights_are(include
     await gateway.aclose()
 
 
+@pytest.mark.parametrize("temperature", [0, 0.7], ids=["flight", "bypass"])
+async def test_a_json_answer_without_usage_says_so_shared_or_not(temperature):
+    """An answer the upstream reported no usage for says ``x-carpool-usage: missing``: a
+    flight's did, a bypassed one (sampled) did not."""
+
+    async def call(path, body):
+        return _completion("hi")  # (no usage)
+
+    gateway = build_gateway(Config(), upstreams=[FunctionUpstream(call)])
+    body = {
+        "model": "m",
+        "temperature": temperature,
+        "messages": [{"role": "user", "content": "x"}],
+    }
+    reply = await gateway.request("/v1/chat/completions", body)
+    assert reply.status == 200 and "usage" not in orjson.loads(reply.body)
+    assert dict(reply.headers).get(b"x-carpool-usage") == b"missing"
+    await gateway.aclose()
+
+
 async def test_a_failing_function_reaches_every_waiter_as_502_and_is_not_stored():
     async def call(path, body):
         raise RuntimeError("model exploded")

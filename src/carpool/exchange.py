@@ -90,7 +90,7 @@ from .http_syntax import shared_cache_may_store
 from .identity import tenant_of
 from .outcome import Outcome
 from .prefix import root_of
-from .reply import NO_STORE, SSE_HEADERS, Reply, error_reply, failure_of, whole
+from .reply import NO_STORE, SSE_HEADERS, USAGE_MISSING, Reply, error_reply, failure_of, whole
 from .request import Request, body_digest, requester_digest
 from .upstream.base import UpstreamRequest, UpstreamResponse
 
@@ -456,6 +456,8 @@ class Exchange:
         headers = [(b"content-type", ctype.encode("latin-1")), header] if ctype else [header]
         if ok and not shared_cache_may_store(response.headers.get("cache-control", "")):
             headers.append(NO_STORE)  # (as ``reply.whole`` says it: for the caches past this one)
+        if ok and not isinstance(parsed.get("usage"), dict):
+            headers.append(USAGE_MISSING)  # (as ``reply.usage_said`` says it of a whole answer)
         headers.extend(said)
         return Reply(response.status, headers, response.body, outcome=Outcome.BYPASS)
 
