@@ -741,3 +741,38 @@ def test_serve_warns_once_that_a_proxy_variable_set_is_not_used(monkeypatch):
     assert len(said) == 1 and "HTTPS_PROXY and http_proxy are set" in said[0], log
     assert "s3cret" not in log
     assert "proxy" not in serve_log("--port", str(free_port()))  # (the simulator: no call out)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/limits"), reason="reads /proc/PID/limits")
+@pytest.mark.parametrize(("hard", "warned"), [(8192, False), (512, True)])
+def test_serve_raises_its_file_limit_to_the_hard_one_and_warns_when_that_is_low(hard, warned):
+    """Started with the usual soft limit (here 256), a burst of clients took every descriptor
+    and left none for the upstream calls: the soft limit is raised to the hard one, and a hard
+    one under ``FILE_LIMIT_WARN`` is said."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip(f"this machine's hard file limit is under {hard}")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_SHUTDOWN__DRAIN_S": "0"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
+    lines = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                break
+        with open(f"/proc/{process.pid}/limits") as limits:
+            held = next(row.split()[3:5] for row in limits if row.startswith("Max open files"))
+    finally:
+        process.terminate()
+        process.wait(10)
+    log = "".join(lines)
+    assert held == [str(hard), str(hard)], log
+    assert ("the file descriptor limit is 512" in log) is warned, log

@@ -34,8 +34,11 @@ import contextlib
 import gzip
 import json
 import logging
+import os
 import random
 import socket
+import subprocess
+import sys
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +59,7 @@ from carpool.upstream import http as upstream_http
 from carpool.upstream import wire
 from carpool.wiring import build_gateway
 from conftest import Served, redis_settings, run_gateway
+from fakes.instances import Instance, free_port, serve_env
 from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
 from fakes.serving import serve_app
@@ -1329,3 +1333,68 @@ async def test_a_coded_answer_decoding_past_the_cap_is_a_502_nothing_stored(monk
         error = error_of(response)
         assert error["code"] == "upstream_content_coding" and "gzip" in error["message"]
         assert gw.gateway.store.entries == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts /proc/PID/fd")
+async def test_a_call_this_machine_cannot_open_for_want_of_descriptors_is_a_503_and_no_replicas_fault(
+    fake, tmp_path
+):
+    """Out of file descriptors (a burst of clients under a low limit), every miss failed to
+    connect: a 502 "unreachable", the healthy replica left out for its back-off and counted in
+    ``upstream_errors``, as if it had failed. The gateway's own want: a 503 with
+    ``Retry-After`` (``gateway_overloaded``), the replica untouched; served again once
+    descriptors are free."""
+    import resource
+
+    limit = 64
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "carpool.cli", "serve", "--port", str(port)]
+            + ["--upstream", fake.url],
+            env=serve_env({"coalesce": {"window_ms": 0, "adaptive": False}}),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+        )
+    held: list[socket.socket] = []
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)  # (one, kept)
+    client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=30)
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "q"}]}
+    try:
+        instance = Instance(port, log, gateway)
+        instance.client = client
+        await instance.until_serving()
+        for _ in range(2 * limit):  # (idle clients: the gateway takes them until it has no fd)
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            held.append(sock)
+        descriptors = f"/proc/{gateway.pid}/fd"
+        await eventually(lambda: len(os.listdir(descriptors)) >= limit, what="every fd taken")
+        refused = await client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "gateway_overloaded"
+        assert refused.headers["retry-after"] == "1"
+        assert fake.count() == 0
+        for sock in held:
+            sock.close()
+        held.clear()
+        await eventually(lambda: len(os.listdir(descriptors)) < limit // 2, what="fds freed")
+        health = (await client.get("/healthz")).json()
+        assert [(r["healthy"], r["failures"]) for r in health["replicas"].values()] == [
+            (True, 0)
+        ], health
+        served = await client.post("/v1/chat/completions", json=body)
+        assert served.status_code == 200 and fake.count() == 1
+        stats = (await client.get("/stats")).json()
+        assert stats["upstream_errors"] == 0
+        assert log.read_text().count("too many open files on this machine") == 1
+    finally:
+        for sock in held:
+            sock.close()
+        await client.aclose()
+        gateway.terminate()
+        gateway.wait(10)

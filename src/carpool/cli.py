@@ -15,7 +15,9 @@ No log line carries a URL's credentials or query: upstreams are logged by their 
 warning that says so. Start-up warns, once each, when the gateway
 holds an upstream key for anyone who asks, when ``/stats``, ``/metrics`` and ``/dashboard``
 are open (no ``admin_token``) on an address beyond loopback, and when a proxy variable is set
-(``HTTPS_PROXY`` and the like: not read) while it has upstreams or Redis to reach.
+(``HTTPS_PROXY`` and the like: not read) while it has upstreams or Redis to reach. It raises
+its soft file descriptor limit to the hard one, and warns when that is under
+``FILE_LIMIT_WARN`` (``_raise_file_limit``).
 
 With ``--workers N``, each worker rebuilds the config from a file the parent writes
 (``config.loader.resolved_text``, a 0600 file): the parent loads that file back as a worker
@@ -155,6 +157,7 @@ def serve(
                 "sent under it as given; if the server serves them under /v1, add it",
                 without_credentials(url),
             )
+    _raise_file_limit(log)
     proxies = sorted({name for name in os.environ if name.lower() in _PROXY_VARIABLES})
     if proxies and (config.upstreams or config.redis):
         # Not read (as the openai SDK and httpx would): said, so that an upstream reached only
@@ -378,6 +381,38 @@ def _differing(given: Any, loaded: Any, prefix: str = "") -> list[str]:
             found += _differing(getattr(given, name), getattr(loaded, name), f"{prefix}{name}.")
         return found
     return [] if given == loaded else [prefix.rstrip(".")]
+
+
+# Below this many file descriptors, start-up warns (``_raise_file_limit``): a few hundred
+# clients, with their upstream and Redis connections, use them up.
+FILE_LIMIT_WARN = 4096
+
+
+def _raise_file_limit(log: logging.Logger) -> None:
+    """Every client connection, and every upstream and Redis connection, holds a file
+    descriptor: the soft limit (1024 on most systems) is raised to the hard one, as Go's
+    runtime and nginx's ``worker_rlimit_nofile`` do, or a burst of a thousand clients left
+    none for the upstream calls (each a 503 ``gateway_overloaded``). Workers inherit it. Still
+    under ``FILE_LIMIT_WARN``, said: only the operator can raise the hard limit."""
+    try:
+        import resource
+    except ImportError:  # (not on Windows)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (Linux's nr_open default)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # (over the kernel's own bound: kept as it was)
+            pass
+    if soft != resource.RLIM_INFINITY and soft < FILE_LIMIT_WARN:
+        log.warning(
+            "the file descriptor limit is %d: each client connection and each upstream or "
+            "Redis connection takes one, and past it clients are cut and calls fail; raise the "
+            "hard limit (ulimit -Hn, systemd's LimitNOFILE, docker's --ulimit nofile)",
+            soft,
+        )
 
 
 # The variables through which HTTP clients are pointed at a proxy (any case: curl and httpx read

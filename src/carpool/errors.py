@@ -23,6 +23,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── AdminRequired                 401: /stats, /metrics, /dashboard without the admin token
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
+    │   ├── GatewayOverloaded         503: this machine could not open a connection (no file
+    │   │                             descriptor, no local port): no verdict on the replica
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
     │   │                             502 when the connection dropped unanswered, or the
@@ -291,6 +293,19 @@ class UpstreamUnreachable(UpstreamError):
 
     status = 502
     code = "upstream_unreachable"
+
+
+class GatewayOverloaded(UpstreamError):
+    """No connection to the upstream could be opened for want of this machine's own resources
+    (no file descriptor, no local port: ``upstream.wire.local_reason``): the gateway's limit,
+    not the replica's failure. No replica is left out or tried instead (this machine would fail
+    again), no upstream error counted; ``Retry-After``: descriptors free as calls end."""
+
+    status = 503
+    type = "server_error"
+    code = "gateway_overloaded"
+    retry_after = 1  # s
+    also = (("retry-after", str(retry_after)),)
 
 
 class UpstreamTimeout(UpstreamError):

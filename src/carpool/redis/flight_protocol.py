@@ -53,6 +53,7 @@ import orjson
 from ..answer import Answer
 from ..errors import (
     CarpoolError,
+    GatewayOverloaded,
     UpstreamAnswerCut,
     UpstreamContentCoding,
     UpstreamError,
@@ -255,6 +256,7 @@ _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls
     for cls in (
         UpstreamError,
+        GatewayOverloaded,
         UpstreamUnreachable,
         UpstreamTimeout,
         UpstreamNoAnswer,

@@ -158,6 +158,7 @@ import json
 import logging
 import select
 import ssl
+import time
 import zlib
 from collections.abc import (
     AsyncIterable,
@@ -178,6 +179,7 @@ from yarl import URL
 from ..config import LimitsConfig
 from ..config.urls import has_credentials
 from ..errors import (
+    GatewayOverloaded,
     RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
@@ -425,6 +427,31 @@ def reason(error: BaseException) -> str:
     )
 
 
+# When ``overloaded`` last logged (monotonic): once per ``OVERLOAD_LOG_S`` at most, however
+# many calls fail so (a burst that took every descriptor fails them all).
+_overload_logged = float("-inf")
+OVERLOAD_LOG_S = 30.0
+
+
+def overloaded(label: str, reason: str) -> GatewayOverloaded:
+    """A call that could not open its connection for want of this machine's resources
+    (``wire.local_reason``): a 503 to its clients, no verdict on the replica; logged once per
+    ``OVERLOAD_LOG_S``, with what the operator can do."""
+    global _overload_logged
+    now = time.monotonic()
+    if now - _overload_logged >= OVERLOAD_LOG_S:
+        _overload_logged = now
+        log.warning(
+            "could not open a connection to upstream %s: %s on this machine (its clients get "
+            "503; raise the file descriptor limit, or take fewer client connections)",
+            label,
+            reason,
+        )
+    return GatewayOverloaded(
+        f"the gateway could not open a connection to upstream {label} ({reason}): retry later"
+    )
+
+
 class HttpUpstream:
     def __init__(
         self,
@@ -566,6 +593,8 @@ class HttpUpstream:
         try:
             answer = await self._wire().request(head + body, whole)
         except wire.WireError as exc:
+            if isinstance(exc, wire.WireLocal):
+                raise overloaded(self.label, exc.reason) from exc
             if exc.answered:
                 raise self._mid_answer(exc) from exc
             timed_out = isinstance(exc, wire.WireTimeout)
@@ -714,6 +743,9 @@ class HttpUpstream:
                 allow_redirects=False,
             )
         except _NOT_CONNECTED as exc:
+            local = wire.local_reason(getattr(exc, "os_error", None))
+            if local is not None:  # (this machine's want, as for ``send``)
+                raise overloaded(self.label, local) from exc
             # (A connect timeout is a ``ServerTimeoutError`` too.) Nothing was sent: unreachable,
             # as for ``send``, and the routing may try the call on another replica.
             raise UpstreamUnreachable(

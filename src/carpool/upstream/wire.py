@@ -92,6 +92,9 @@ Contract:
   the parser's error is its ``__cause__``. A header name or value with a control character
   (but tab) is refused before anything is sent (``ValueError``, as aiohttp did: no header
   injection through the library API).
+- A connection this machine could not open for want of its own resources (no file descriptor,
+  no local port, no buffer or memory: ``local_reason``) is a ``WireLocal``: no failure of the
+  replica's, which was never reached.
 """
 
 from __future__ import annotations
@@ -122,6 +125,27 @@ class WireError(Exception):
         self.reason = reason
         self.answered = answered
         self.sent = sent
+
+
+class WireLocal(WireError):
+    """No connection opened for want of this machine's own resources (``local_reason``)."""
+
+
+# The errors of a connection that never left this machine for want of its resources: no file
+# descriptor (the process's, the system's), no local port for its address, no buffer, memory.
+_LOCAL_ERRNOS = {
+    errno.EMFILE: "too many open files",
+    errno.ENFILE: "too many open files in the system",
+    errno.EADDRNOTAVAIL: "no local port free",
+    errno.ENOBUFS: "no buffer space",
+    errno.ENOMEM: "out of memory",
+}
+
+
+def local_reason(error: BaseException | None) -> str | None:
+    """The few words for a connection this machine could not open for want of its own
+    resources; None: another failure (the replica's, or the network's)."""
+    return _LOCAL_ERRNOS.get(getattr(error, "errno", None) or 0)
 
 
 class WireTimeout(WireError):
@@ -382,6 +406,8 @@ class Pool:
             raise WireError("connection timed out") from exc
         except BaseException as exc:
             self._gone()
+            if (local := local_reason(exc)) is not None:
+                raise WireLocal(local) from exc
             if isinstance(exc, (OSError, ssl_module.CertificateError)):
                 raise WireError(reason_of(exc)) from exc
             raise
