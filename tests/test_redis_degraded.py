@@ -96,7 +96,8 @@ async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_
     from carpool.store.shared import SharedStore
 
     redis_store = RedisStore(redis_server.url, socket_timeout=2.0)
-    store = SharedStore(redis_store, MemoryStore(1 << 20), retry_interval=0.2)
+    # (A long interval, made due below: the store's own probe, due then too, stays asleep.)
+    store = SharedStore(redis_store, MemoryStore(1 << 20), retry_interval=60)
     get, hung, attempts = redis_store.get, asyncio.Event(), []
 
     async def hanging(key: str) -> Any:  # a Redis that hangs until the test lets it answer
@@ -107,7 +108,7 @@ async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_
     try:
         store.report(StoreUnavailable("injected"))
         redis_store.get = hanging  # type: ignore[method-assign]
-        await eventually(lambda: store.retry_due, what="the attempt due")
+        store._next_try = float("-inf")  # (its retry_interval has passed)
         gets = [asyncio.create_task(store.get(f"k{i}")) for i in range(20)]
         await eventually(lambda: sum(g.done() for g in gets) == 19, what="19 local answers")
         assert len(attempts) == 1 and store.degraded
@@ -144,3 +145,77 @@ async def test_a_degraded_instances_call_begun_before_an_invalidation_is_not_kep
         assert first.status_code == 200
         again = await b.chat("q", headers=TAG)
         assert again.headers["x-carpool"] == "miss" and fake.count() == 3
+
+
+async def fail_answer_fail(served: Any) -> None:
+    """Three of ``served``'s requests, whose exact-store gets all began while Redis was up, have
+    them land in turn as a failure, an answer, a failure (each request answered before the next
+    lands): concurrent calls on a Redis, or a file-descriptor table, that failed for a moment.
+    Redis answers throughout: only those two gets fail."""
+    import asyncio
+
+    from carpool.store.base import StoreUnavailable
+
+    redis_store = served.gateway.layers.shared_store.redis
+    get = redis_store.get
+    turns: list[asyncio.Future[bool]] = []  # one per get under way: True, it fails
+
+    async def held(key: str) -> Any:
+        turn = asyncio.get_running_loop().create_future()
+        turns.append(turn)
+        if await turn:
+            raise StoreUnavailable("the Redis store failed to get: TimeoutError (injected)")
+        return await get(key)
+
+    redis_store.get = held
+    try:
+        chats = [asyncio.create_task(served.chat(f"q{i}")) for i in range(3)]
+        await eventually(lambda: len(turns) == 3, what="three gets under way")
+        for landed, (turn, fails) in enumerate(zip(turns, (True, False, True), strict=True), 1):
+            turn.set_result(fails)
+            await eventually(lambda n=landed: sum(c.done() for c in chats) == n, what="its answer")
+        assert [(await chat).status_code for chat in chats] == [200] * 3
+    finally:
+        redis_store.get = get
+
+
+async def test_a_relapse_right_after_redis_is_back_is_logged(
+    fake: Any, redis_server: Any, caplog: Any
+) -> None:
+    """Failed, answered, failed again within ``log_interval``: the log's last word on Redis is
+    that it is unavailable. (Before, the relapse was not logged, its interval not over: the last
+    line said "redis is back" while the instance reported ``degraded``.)"""
+    distributed = {"retry_interval": 60.0}  # (no attempt meanwhile: the three gets only)
+    async with gateways(1, fake, redis_server, distributed=distributed) as (served,):
+        await eventually(lambda: served.gateway.invalidations.listening)
+        with caplog.at_level("WARNING", logger="carpool.store"):
+            await fail_answer_fail(served)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("redis ")]
+        assert ["back" if " is back " in line else "down" for line in said] == [
+            "down",
+            "back",
+            "down",
+        ], said
+        assert served.gateway.redis_health()["state"] == "degraded"
+
+
+async def test_an_idle_instance_is_up_again_once_redis_answers_after_a_relapse(
+    fake: Any, redis_server: Any
+) -> None:
+    """Failed, answered, failed again, then no request: the instance is ``up`` again, since
+    Redis answers, within about ``retry_interval``. (Before, only a call, or the invalidation
+    subscriber reconnecting after an outage it saw too, ended a degraded period: the subscriber
+    never lost Redis here, so with no traffic /healthz said ``degraded`` for good.)"""
+    distributed = {"retry_interval": 0.5}
+    async with gateways(1, fake, redis_server, distributed=distributed) as (served,):
+        await eventually(lambda: served.gateway.invalidations.listening)
+        await fail_answer_fail(served)
+        calls = fake.count()
+        await eventually(
+            lambda: served.gateway.redis_health()["state"] == "up",
+            what="the idle instance up again",
+            state=served.gateway.redis_health,
+        )
+        health = (await served.client.get("/healthz")).json()
+        assert health["redis"]["state"] == "up" and health["redis"]["errors"] == 2
+        assert fake.count() == calls  # (no request did it)

@@ -67,7 +67,10 @@ class DistributedConfig(Section):
         description="While Redis is unavailable, seconds between two attempts to use it again.",
     )
     log_interval: float = Field(
-        30.0, gt=0, description="Seconds between two log lines about Redis being unavailable."
+        30.0,
+        gt=0,
+        description="Seconds between two log lines about Redis being unavailable (the first "
+        "line of each degraded period is always logged).",
     )
     shared_flights: bool = Field(
         True,

@@ -286,6 +286,12 @@ class RedisStore:
                 dropped += await self._drop_indexed(self._keys.prefixes, "p", selector.prefix)
             return dropped
 
+    async def ping(self) -> None:
+        """Whether Redis answers (on a cluster, every node): returns once it has, raises
+        ``StoreUnavailable`` otherwise (a degraded instance's probe, ``store.shared``)."""
+        with _unavailable("ping"):
+            await self._client.ping()
+
     def reap(self) -> int:
         """Nothing: Redis expires entries itself, and the counts' script reaps them."""
         return 0

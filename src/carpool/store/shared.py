@@ -11,7 +11,14 @@ Contract (on top of ``store.base``):
   row), by ONE caller: the first that finds the attempt due takes it (the next one is due
   ``retry_interval`` later), the calls meanwhile stay local instead of all waiting on a Redis
   that may hang; the first success ends the degraded period and empties the local store, whose
-  entries may have missed invalidations made elsewhere in the meantime.
+  entries may have missed invalidations made elsewhere in the meantime. An instance with no
+  call to make takes the attempt itself: while degraded, a background task PINGs Redis
+  whenever the attempt is due and no caller took it (``ping``: one per ``retry_interval`` at
+  most, started with the degraded period, ended by ``up`` or ``aclose``), so an idle instance
+  is up within about ``retry_interval`` of Redis answering. (Before, only a call or the
+  invalidation subscriber's reconnection ended a period: a failure that landed after a
+  success, the subscriber connected throughout, left an idle instance degraded for good.) A
+  PING that fails is no call of a layer's: neither counted nor logged.
 - An invalidation of another instance received through Redis (``invalidated_elsewhere``, from
   ``redis.invalidation.InvalidationChannel``'s subscriber) empties the local store at once: a
   degraded instance no longer serves, until its next Redis call succeeds, answers another
@@ -19,7 +26,9 @@ Contract (on top of ``store.base``):
   message also proves that Redis answers, so it ends a degraded period due for another attempt
   (one not yet due goes on until ``retry_interval``: a Redis that delivers messages but fails
   calls does not switch the instance up and down with every message).
-- Failures are counted, logged at most once per ``log_interval``, and reported by ``health()``
+- Failures are counted, logged when a degraded period begins and then at most once per
+  ``log_interval`` (a relapse just after the "back" line is logged: the log's last word is
+  the state's), and reported by ``health()``
   for ``/stats`` and ``/healthz``: ``errors`` counts every layer's failed Redis calls (this
   store's and those the other layers ``report``), ``store_errors`` this store's own only (what
   ``/metrics`` labels ``component="store"``: each other layer counts its own). A call that
@@ -47,10 +56,13 @@ Contract (on top of ``store.base``):
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import time
 from typing import Any
 
+from ..background import Background
 from ..redis.connection import PoolExhausted, RedisFull
 from ..redis.store import RedisStore
 from .base import Entry, Selector, StoreUnavailable
@@ -81,6 +93,9 @@ class SharedStore:
         self.down_since: float | None = None  # wall clock, for /stats
         self._next_try = 0.0  # monotonic
         self._last_log = float("-inf")
+        self._probe = Background("the redis probe", log)  # (logs a task that failed)
+        self._probing: asyncio.Task[None] | None = None  # while degraded, or ending
+        self._closed = False
 
     @property
     def degraded(self) -> bool:
@@ -221,6 +236,8 @@ class SharedStore:
         return dropped
 
     async def aclose(self) -> None:
+        self._closed = True
+        await self._probe.drain(0)
         await self.redis.aclose()
         await self.local.aclose()
 
@@ -262,9 +279,13 @@ class SharedStore:
         if own:
             self.store_errors += 1
         self._next_try = now + self.retry_interval
-        if self.down_since is None:
+        begins = self.down_since is None
+        if begins:
             self.down_since = time.time()
-        if now - self._last_log >= self.log_interval:
+            self._probe_while_degraded()
+        # A period's start is always logged: the line before it said "redis is back" (or none
+        # did), and concurrent calls can land fail, answer, fail within milliseconds.
+        if begins or now - self._last_log >= self.log_interval:
             self._last_log = now
             log.warning(
                 "redis unavailable, serving from this instance's memory (%d errors so far): %s",
@@ -281,3 +302,29 @@ class SharedStore:
             )
             self.down_since = None
             self.local.clear()
+
+    def _probe_while_degraded(self) -> None:
+        """Start the probe (the module's contract), unless one runs: it goes on through a
+        relapse that came before it saw the instance up."""
+        if self._closed or (self._probing is not None and not self._probing.done()):
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a caller outside any loop: the next call will try Redis again
+            return
+        # In a blank context: the probe serves no request, and its "back" line must not name
+        # the one whose failure began the period.
+        self._probing = contextvars.Context().run(self._probe.spawn, self._ping_until_up())
+
+    async def _ping_until_up(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.0, self._next_try - time.monotonic()))
+            if not self.degraded or self._closed:
+                return
+            if self._skip_redis():
+                continue  # a call took the attempt: the next one is due later
+            try:
+                await self.redis.ping()
+            except StoreUnavailable:
+                continue  # still down, as known: not a layer's failed call
+            self._answered()
