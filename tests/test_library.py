@@ -650,7 +650,8 @@ async def test_a_mounted_app_whose_gateway_is_closed_refuses_its_v1_requests_wit
     """Mounted by a host app, the gateway closed by the host while the app stays mounted: a
     cached endpoint served a miss on layers closed (the upstream pool opened again, nothing to
     close it), a pass-through call was a 500 with a traceback. Refused now, as a request the
-    shutdown cut is: a 503 with ``Retry-After``, ``shutting_down``, nothing sent upstream."""
+    shutdown cut is: a 503 with ``Retry-After``, ``shutting_down``, nothing sent upstream; and
+    /readyz says it is not ready (it said ready, and probed the upstream on closed layers)."""
     import httpx
     from starlette.applications import Starlette
     from starlette.routing import Mount
@@ -676,6 +677,8 @@ async def test_a_mounted_app_whose_gateway_is_closed_refuses_its_v1_requests_wit
             await client.post("/v1/chat/completions", json=other),
             await client.get("/v1/models"),
         ]
+        ready = await client.get("/readyz")  # (not ready: no balancer sends it traffic)
+    assert ready.status_code == 503 and ready.json()["ready"] is False
     assert [r.status_code for r in refused] == [503] * 3
     assert {r.json()["error"]["code"] for r in refused} == {"shutting_down"}
     assert all(r.headers["retry-after"] == "1" for r in refused)

@@ -1340,3 +1340,23 @@ async def test_a_cancelled_close_of_a_worker_waiting_for_a_slot_stays_cancelled(
             assert closing.cancelled()
     finally:
         peers.remove(directory)
+
+
+async def test_a_worker_settling_its_calls_as_it_closes_still_answers_its_peers(fake):
+    """A worker closing (``serve --workers``: a SIGHUP's reload, one worker restarted) settles
+    the calls it leads before its layers close; meanwhile the other workers' requests for the
+    keys it owns were refused with a 503 ``shutting_down``, which their clients got."""
+    async with two_workers(fake.url) as pair:
+        gate = fake.gate = asyncio.Event()
+        leading = asyncio.create_task(pair.b.chat(owned_by(pair.a.gateway, 1, "Held by b")))
+        await fake.wait_for_calls(1)
+        fake.gate = None  # (the calls after this one are answered at once)
+        pair.b.gateway.stop_by = time.monotonic() + 30  # (its grace: the held call may end)
+        closing = asyncio.create_task(pair.b.gateway.aclose())
+        await eventually(lambda: pair.b.gateway.closed, what="b closing")
+        asked = await pair.a.chat(owned_by(pair.a.gateway, 1, "Asked of b"))
+        assert asked.status_code == 200, asked.text
+        assert fake.count() == 2  # (b, its owner, called the upstream for it)
+        gate.set()  # (b's held call ends: b closes)
+        await closing
+        assert (await leading).status_code == 200

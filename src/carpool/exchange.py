@@ -688,8 +688,10 @@ async def _pipe(
     called once it ended whole, without an error event; a failure is counted in ``stats``'
     ``upstream_errors`` (a 2xx stream's: a refusal's status was counted as it came)."""
     sent = 0  # events its client was sent (an error event is numbered after them)
+    seen = False  # whether the upstream sent any event
     try:
         async for payloads in response.events():
+            seen = seen or bool(payloads)
             frames: list[bytes] = []
             for payload in payloads:
                 # (``find``: see ``Api.frame``.)
@@ -716,6 +718,10 @@ async def _pipe(
                 frames.append(framed)
             sent += len(frames)
             yield b"".join(frames)
+        if not seen:
+            # Ended (``[DONE]``) with no event at all: no answer, as a flight judges it; its
+            # key accepted for nothing (in a shared namespace it would read the others').
+            raise UpstreamStreamBroken("the upstream stream ended without an answer")
         if accepted is not None:
             accepted()
         if kept is not None:

@@ -269,10 +269,12 @@ class GatewayApp:
                     pass
 
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
-        if self.gateway.closed and scope["path"].startswith("/v1/"):
+        if self.gateway.closed and scope["path"].startswith("/v1/") and scope.get(PEER) is not True:
             # Closed by a host app's lifespan, the app still mounted: refused as a request the
             # shutdown cut is, never served on closed layers (an upstream pool opened again,
-            # nothing to close it).
+            # nothing to close it). Not another worker's (``carpool.peers``): a worker closing
+            # under ``serve --workers`` settles its calls first, and its peers' requests for
+            # the keys it owns are served meanwhile (refused, their clients got the 503).
             await self._refuse(send, ShuttingDown(CLOSED), _endpoint_api(scope))
             return
         if (
@@ -711,8 +713,12 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
 
     async def readyz(_: HttpRequest) -> Response:
         # ``draining``: for whoever stops the gateway gracefully (CONTRACT: 503 while draining).
-        ready = not gateway.draining and await gateway.replicas.ready(
-            gateway.config.routing.ready_timeout_s
+        # (Closed: a host app's lifespan closed it, the app still mounted. Not probed: its
+        # upstream connections are closed, and nothing would close one opened again.)
+        ready = (
+            not gateway.draining
+            and not gateway.closed
+            and await gateway.replicas.ready(gateway.config.routing.ready_timeout_s)
         )
         return JSONResponse(
             {"ready": ready, "replicas": gateway.replicas.health()}, 200 if ready else 503

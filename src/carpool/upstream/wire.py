@@ -144,8 +144,16 @@ _LOCAL_ERRNOS = {
 
 def local_reason(error: BaseException | None) -> str | None:
     """The few words for a connection this machine could not open for want of its own
-    resources; None: another failure (the replica's, or the network's)."""
-    return _LOCAL_ERRNOS.get(getattr(error, "errno", None) or 0)
+    resources; None: another failure (the replica's, or the network's). A name lookup that
+    failed is one when no socket can be opened now: with no descriptor left, the resolver
+    cannot read /etc/hosts or reach a DNS server, and says "name not known"."""
+    reason = _LOCAL_ERRNOS.get(getattr(error, "errno", None) or 0)
+    if reason is None and isinstance(error, socket.gaierror):
+        try:
+            socket.socket().close()
+        except OSError as exhausted:
+            return _LOCAL_ERRNOS.get(exhausted.errno or 0)
+    return reason
 
 
 class WireTimeout(WireError):
