@@ -7,6 +7,7 @@ import base64
 import contextlib
 import math
 import struct
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,7 +25,7 @@ from carpool.upstream.sim import (
     build_replicas,
     embedding_vector,
 )
-from carpool.upstream.sim_server import create_app, serve_replicas
+from carpool.upstream.sim_server import _announce_when_started, create_app, serve_replicas
 from fakes.serving import serve_app
 from fakes.waiting import eventually
 
@@ -990,3 +991,13 @@ async def test_a_sampling_value_openai_refuses_is_a_400_naming_the_field(path, f
 async def test_the_sampling_values_openai_accepts_at_its_bounds_are_answered(path, fields):
     body = chat() if path == "/chat/completions" else {"model": "m", "prompt": "hi"}
     await answer(replica(), {**body, **fields}, path=path)
+
+
+async def test_a_replica_stopped_as_it_started_is_announced_by_no_line_and_no_traceback(capsys):
+    """A Ctrl-C as ``carpool sim`` started: uvicorn started and stopped at once, its sockets
+    closed, and the announcement read the first of none (``IndexError``, exit 1)."""
+    stopped = SimpleNamespace(started=True, servers=[SimpleNamespace(sockets=())])
+    task = asyncio.get_running_loop().create_future()
+    replica = SimpleNamespace(name="sim-0")
+    await _announce_when_started([replica], [stopped], [task], "127.0.0.1")
+    assert capsys.readouterr().out == ""

@@ -233,7 +233,10 @@ async def _announce_when_started(
             await asyncio.sleep(0.01)
         if not server.started:
             continue  # it failed to start; uvicorn has logged why, and the caller sees it end
-        bound = server.servers[0].sockets[0].getsockname()[1]
+        sockets = server.servers[0].sockets if server.servers else ()
+        if not sockets:
+            continue  # started and stopped at once (a Ctrl-C as it started): nothing to say
+        bound = sockets[0].getsockname()[1]
         print(
             f"carpool sim (SIMULATED engine, not a real model): replica {replica.name} on "
             f"http://{url_host(host)}:{bound}/v1",
