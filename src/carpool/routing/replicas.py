@@ -141,6 +141,7 @@ from typing import Any
 
 from carpool.config.urls import urls_without_credentials
 from carpool.errors import (
+    GatewayOverloaded,
     PathNotAllowed,
     UpstreamAnswerCut,
     UpstreamBadStatus,
@@ -454,8 +455,10 @@ class ReplicaSet:
         try:
             self.policy.on_sent(text, replica, scope)
             response = await replica.upstream.send(request)
-        except BaseException:
+        except BaseException as error:
             self._done(replica)
+            if isinstance(error, GatewayOverloaded):
+                replica.calls -= 1  # (never left this machine: no call of the replica's)
             raise
         replica.answered, replica.answered_at = True, self.clock()
         if not response.streaming:
@@ -545,9 +548,11 @@ class ReplicaSet:
                 self._succeeded(replica)
                 self._refused(replica, error)
                 raise
-            except BaseException:
+            except BaseException as error:
                 self._done(replica)
                 replica.probing = False
+                if isinstance(error, GatewayOverloaded):
+                    replica.calls -= 1  # (as ``_attempt``'s)
                 raise
             break
         self._observe(replica, response.status, decision)
