@@ -753,26 +753,17 @@ def test_serve_raises_its_file_limit_to_the_hard_one_and_warns_when_that_is_low(
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
         pytest.skip(f"this machine's hard file limit is under {hard}")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "serve", "--port", str(free_port())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_SHUTDOWN__DRAIN_S": "0"},
+    held = []
+
+    def limits(pid: int) -> None:
+        with open(f"/proc/{pid}/limits") as rows:
+            held.extend(next(r.split()[3:5] for r in rows if r.startswith("Max open files")))
+
+    log = serve_log(
+        "--port",
+        str(free_port()),
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+        on_listening=limits,
     )
-    lines = []
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if "Uvicorn running on" in line:
-                break
-        with open(f"/proc/{process.pid}/limits") as limits:
-            held = next(row.split()[3:5] for row in limits if row.startswith("Max open files"))
-    finally:
-        process.terminate()
-        process.wait(10)
-    log = "".join(lines)
     assert held == [str(hard), str(hard)], log
     assert ("the file descriptor limit is 512" in log) is warned, log

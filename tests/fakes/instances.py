@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +53,14 @@ def start_serve(
         )
 
 
-def serve_log(*args: str) -> str:
+def serve_log(
+    *args: str,
+    preexec_fn: Callable[[], object] | None = None,
+    on_listening: Callable[[int], object] | None = None,
+) -> str:
     """``carpool serve ARGS`` run until it says it is listening, then stopped: its log so far
-    (fails if it exits first)."""
+    (fails if it exits first). ``preexec_fn``: run in the child before it starts (its limits);
+    ``on_listening(pid)``: called once it listens, before it is stopped."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # (No drain on the SIGTERM that stops it, unless the test sets one: nothing here is behind
     # a load balancer, and the default's 5 s a run was a minute of every CI run.)
@@ -66,6 +71,7 @@ def serve_log(*args: str) -> str:
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=preexec_fn,
     )
     lines = []
     try:
@@ -73,6 +79,8 @@ def serve_log(*args: str) -> str:
         for line in process.stdout:
             lines.append(line)
             if "Uvicorn running on" in line:
+                if on_listening is not None:
+                    on_listening(process.pid)
                 return "".join(lines)
         raise AssertionError("carpool serve exited before listening:\n" + "".join(lines))
     finally:
