@@ -42,13 +42,17 @@ Contract:
   cache keeps its age (``age``), so no copy outlives the original's TTL. The owner not
   answering, the upstream is called here.
 - ``Exchange.bypass``: a request that shares nothing: sent as it came and relayed as it comes
-  (``_pipe``), never judged further, never stored; but a whole 2xx body that is not JSON
-  (cut short: a close-delimited body its server dropped midway) gets the miss path's 502
-  (``NOT_JSON``), never a 200 its client cannot parse; a whole answer to a client that asked
-  for a stream (a function upstream's) is sent as SSE (``reply.whole``); and a stream an idempotency record keeps
-  (``Request.recorded``) is asked for its usage as a flight is (``upstream.stream_usage``), its
-  usage chunk hidden from a client that did not ask and kept for the record
-  (``Reply.with_usage``).
+  (``_pipe``), never stored; but judged as a flight's call is where its client would otherwise
+  get what no flight gives: a whole 2xx body that is not a JSON object (cut short: a
+  close-delimited body its server dropped midway; an array) gets the miss path's 502
+  (``NOT_JSON``, ``NOT_OBJECT``), never a 200 its client cannot parse; a 2xx stream that
+  breaks, carries the upstream's error event or no event at all ends with an error event; each
+  such failure counts in ``upstream_errors``; a refusal keeps the upstream's retry headers; a
+  whole answer to a client that asked for a stream (a function upstream's) is sent as SSE
+  (``reply.whole``); an answer without usage says so (``x-carpool-usage: missing``); and a
+  stream an idempotency record keeps (``Request.recorded``) is asked for its usage as a flight
+  is (``upstream.stream_usage``), its usage chunk hidden from a client that did not ask and
+  kept for the record (``Reply.with_usage``).
 - What the upstream's answer says of the requester's credentials is told to
   ``AcceptedCredentials`` on every call (``identity.py``): a 401/403 refuses, from its head; a
   2xx accepts once its answer is read and judged an answer (``accepts``: a stream that ended
