@@ -1408,6 +1408,8 @@ async def test_a_call_this_machine_cannot_open_for_want_of_descriptors_is_a_503_
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "gateway_overloaded"
         assert refused.headers["retry-after"] == "1"
+        # (Its readiness probe could not open a connection either: not ready, no verdict.)
+        assert (await client.get("/readyz")).status_code == 503
         assert fake.count() == 0
         for sock in held:
             sock.close()

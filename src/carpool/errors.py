@@ -40,7 +40,8 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     │       └── UpstreamAnswerCut     502 (504 not whole in time): a whole answer cut after its head
     │           └── UpstreamContentCoding 502: an answer in a content coding the gateway cannot read
     ├── FlightAbandoned               499: every client of a flight left and its call was cancelled
-    ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over)
+    ├── ShuttingDown                  503: cut by the server's shutdown (``shutdown.grace_s`` over),
+    │                                 or sent to a gateway closed already (a mounted app's)
     └── InternalError                 500: the gateway failed (a bug): what the client gets of it
 """
 
@@ -299,7 +300,8 @@ class GatewayOverloaded(UpstreamError):
     """No connection to the upstream could be opened for want of this machine's own resources
     (no file descriptor, no local port: ``upstream.wire.local_reason``): the gateway's limit,
     not the replica's failure. No replica is left out or tried instead (this machine would fail
-    again), no upstream error counted; ``Retry-After``: descriptors free as calls end."""
+    again), no upstream error or call counted, for a routed call, a readiness probe (not ready:
+    503) and an embeddings list probe alike; ``Retry-After``: descriptors free as calls end."""
 
     status = 503
     type = "server_error"
@@ -592,7 +594,8 @@ class ShuttingDown(CarpoolError):
     (``shutdown.grace_s``), and was cut (``server.GatewayApp.serve``). Its client gets this in
     its API's error shape: a reply not started yet as a 503 with ``Retry-After`` (another
     instance, or this one restarted, may answer the retry), a stream under way as its API's
-    error event then its end."""
+    error event then its end. Also what a ``/v1`` request to an app whose gateway is closed
+    already gets (mounted by a host that closed it: ``server.GatewayApp._route``)."""
 
     status = 503
     type = "server_error"

@@ -57,7 +57,8 @@ Contract:
   ``AcceptedCredentials`` on every call (``identity.py``): a 401/403 refuses, from its head; a
   2xx accepts once its answer is read and judged an answer (``accepts``: a stream that ended
   whole, a body that reports no error and has the answer's field), never a 2xx body that
-  reports an error (a proxy refusing a made-up key with a 200) or lacks the answer.
+  reports an error (a proxy refusing a made-up key with a 200) or lacks the answer, nor a 2xx
+  of a call sent before a refusal of its tenant (``AcceptedCredentials.begun``).
 - ``Relay``: a flight's stream for one client, framed as its API frames streams, ending with the
   API's error event if the flight failed; it says when it gave its last piece (``ended``), for a
   writer to end the response with it, and, once it ended whole, the stream with the usage chunk

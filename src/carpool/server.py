@@ -44,7 +44,8 @@ Contract:
 - Mounted by a host app that does not forward its lifespan (Starlette's ``Mount``), the gateway
   is started by its first request (``Gateway.bind``), as by a library call; once the gateway
   is closed (the host's lifespan closed it), every ``/v1`` request is refused as one the
-  shutdown cut (``ShuttingDown``, 503, ``Retry-After``), never served on closed layers.
+  shutdown cut (``ShuttingDown``, 503, ``Retry-After``), never served on closed layers; but
+  another worker's (``carpool.peers``), which a closing worker serves while it settles.
 - Everything else (``/healthz``, ``/readyz``, ``/stats``, ``/metrics``, ``/dashboard``,
   ``/admin/*`` and pass-through of other ``/v1/*`` paths) is a small Starlette app. Pass-through
   takes GET (HEAD), POST, PUT, PATCH, DELETE and OPTIONS (a browser's CORS preflight), on a
@@ -116,8 +117,8 @@ Contract:
   it keeps its collector as it was.
 - ``/healthz`` is liveness (always 200 while serving); its body says ``degraded`` when Redis is,
   or when a replica is down, and each replica's health by its public label. ``/readyz`` is 200
-  while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise or while the
-  gateway is draining (``gateway.draining``).
+  while some replica is believed reachable (``ReplicaSet.ready``), 503 otherwise, while the
+  gateway is draining (``gateway.draining``), and once it is closed (no probe then).
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ class GatewayApp:
             # shutdown cut is, never served on closed layers (an upstream pool opened again,
             # nothing to close it). Not another worker's (``carpool.peers``): a worker closing
             # under ``serve --workers`` settles its calls first, and its peers' requests for
-            # the keys it owns are served meanwhile (refused, their clients got the 503).
+            # the keys it owns are served meanwhile (refused, the 503 reached their clients).
             await self._refuse(send, ShuttingDown(CLOSED), _endpoint_api(scope))
             return
         if (

@@ -58,7 +58,8 @@ class TenantConfig(Section):
         gt=0,
         description="Seconds a tenant counts as accepted by "
         "the upstream after its last 2xx answer on a cached endpoint "
-        "(what lets it read a shared namespace).",
+        "(what lets it read a shared namespace); a 2xx of a call sent before the tenant's "
+        "last refusal (401, 403) accepts nothing.",
     )
     accepted_max_entries: int = Field(
         100_000,

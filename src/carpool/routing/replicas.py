@@ -839,6 +839,10 @@ class ReplicaSet:
                 response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
         except PathNotAllowed:
             pass  # an in-process upstream: no /models (nothing was sent), but up
+        except GatewayOverloaded:
+            # This machine could not open the connection (no descriptor left): no call of the
+            # replica's, nor a verdict on it; the gateway is not ready to serve all the same.
+            return False
         except (UpstreamRedirected, UpstreamBadStatus) as error:
             self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
         except UpstreamKeyRefused as error:
@@ -976,6 +980,9 @@ class OwnCalls:
         replica.calls += 1
         try:
             response = await replica.upstream.send(request)
+        except GatewayOverloaded:
+            replica.calls -= 1  # (never left this machine: no call of the replica's)
+            raise
         except UpstreamKeyRefused as error:
             self.observe(replica, error.upstream_status or error.status, None)
             raise
