@@ -1422,7 +1422,7 @@ async def test_a_call_this_machine_cannot_open_for_want_of_descriptors_is_a_503_
         served = await client.post("/v1/chat/completions", json=body)
         assert served.status_code == 200 and fake.count() == 1
         stats = (await client.get("/stats")).json()
-        assert (stats["upstream_errors"], stats["upstream_calls"]) == (0, 1)  # (the one served)
+        assert stats["upstream_errors"] == 0 and stats["overloaded"] >= 1
         assert log.read_text().count("too many open files on this machine") == 1
     finally:
         for sock in held:

@@ -63,6 +63,7 @@ class _Counted:
     """How many requests ``answer_now`` was asked about, and how many it answered."""
 
     def __init__(self, app: GatewayApp) -> None:
+        self.app = app
         self.asked = self.answered = 0
         original = app.answer_now
 
@@ -716,17 +717,24 @@ async def test_a_trailer_section_over_max_header_bytes_is_431_and_the_connection
     assert fake.count() == 0
 
 
-async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake):
+@pytest.mark.parametrize("pieces", [1, 2])
+async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake, pieces):
     """The target was never counted (uvicorn adds each piece to the last: memory, and CPU
-    quadratic in its length when it trickles in)."""
-    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, _):
+    quadratic in its length when it trickles in). Refused alike in one piece or two: in one,
+    it was refused before its path was held, so in no endpoint's shape and counted nowhere."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, counted):
         async with _socket(served) as (reader, writer):
-            writer.write(f"POST {CHAT}?q=".encode())
-            await _head_parsed(served)
-            writer.write(b"q" * 1500)
+            if pieces == 1:
+                writer.write(f"POST {CHAT}?q=".encode() + b"q" * 1500)
+            else:
+                writer.write(f"POST {CHAT}?q=".encode())
+                await _head_parsed(served)
+                writer.write(b"q" * 1500)
             status, headers, error = await _refusal(reader)
+        stats = counted.app.gateway.snapshot()
     assert (status, headers["connection"], error["code"]) == (414, "close", "target_too_long")
     assert error["type"] == "invalid_request_error" and fake.count() == 0
+    assert headers["x-carpool"] == "bypass" and stats["rejected"] == 1
 
 
 @pytest.mark.parametrize(

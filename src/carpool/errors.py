@@ -300,8 +300,10 @@ class GatewayOverloaded(UpstreamError):
     """No connection to the upstream could be opened for want of this machine's own resources
     (no file descriptor, no local port: ``upstream.wire.local_reason``): the gateway's limit,
     not the replica's failure. No replica is left out or tried instead (this machine would fail
-    again), no upstream error or call counted, for a routed call, a readiness probe (not ready:
-    503) and an embeddings list probe alike; ``Retry-After``: descriptors free as calls end."""
+    again), no upstream error or status counted (``upstream_calls`` counts it as an attempt
+    begun: a counter never goes back), for a routed call, a readiness probe (not ready: 503)
+    and an embeddings list probe alike; counted in ``overloaded``; ``Retry-After``:
+    descriptors free as calls end."""
 
     status = 503
     type = "server_error"

@@ -364,9 +364,6 @@ class GatewayProtocol(HttpToolsProtocol):
     def on_url(self, url: bytes) -> None:
         self.quiet = -1
         self.target_size += len(url)
-        if self.target_size > self.max_head:
-            self._refuse(TargetTooLong(self.max_head))
-            raise _Refused
         if self.url_more is not None:
             self.url_more += url
         elif self.url:  # (a target in pieces: not uvicorn's ``url += piece``, quadratic)
@@ -374,6 +371,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self.url_more += url
         else:
             self.url = url
+        if self.target_size > self.max_head:
+            # (Refused once held, in one piece or several alike: its path names the endpoint
+            # whose shape and count the refusal takes.)
+            self._refuse(TargetTooLong(self.max_head))
+            raise _Refused
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.quiet = -1

@@ -130,8 +130,14 @@ def counted_elsewhere() -> None:
 
 
 class Stats:
-    def __init__(self, attempts: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        attempts: Callable[[], int] = lambda: 0,
+        overloaded: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.attempts = attempts  # upstream calls: read from the replicas, never counted twice
+        # calls this machine could not open a connection for (``GatewayOverloaded``): likewise
+        self.overloaded = overloaded
         self.outcomes: Counter[Outcome] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()  # (route, outcome or "error")
         self.rejected = 0  # 4xx from the gateway itself
@@ -183,6 +189,7 @@ class Stats:
             "abandoned": self.abandoned,
             "upstream_calls": self.upstream_calls,
             "upstream_errors": self.upstream_errors,
+            "overloaded": self.overloaded(),
             "tokens_saved": self.tokens_saved,
             "saved_without_usage": self.saved_without_usage,
             "saved_fraction": round(saved / eligible, 6) if eligible else 0.0,
@@ -230,7 +237,7 @@ class _StatsCollector(Collector):
         )
         yield CounterMetricFamily(
             "carpool_requests_abandoned",
-            "Requests whose client left before their answer (counted in no outcome).",
+            "Requests whose client left before they were counted under an outcome.",
             value=s.abandoned,
         )
         yield CounterMetricFamily(
@@ -238,6 +245,12 @@ class _StatsCollector(Collector):
         )
         yield CounterMetricFamily(
             "carpool_upstream_errors", "Upstream calls that failed.", value=s.upstream_errors
+        )
+        yield CounterMetricFamily(
+            "carpool_gateway_overloaded",
+            "Upstream calls this machine could not open a connection for (no file descriptor, "
+            "no local port): answered 503 gateway_overloaded.",
+            value=s.overloaded(),
         )
         routing = CounterMetricFamily(
             "carpool_routing_decisions",

@@ -119,7 +119,7 @@ def build_layers(
     # The tenants the upstream answered recently: only they read a shared namespace.
     tenant = config.tenant
     accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries, clock=clock)
-    stats = Stats(attempts=lambda: replicas.attempts())
+    stats = Stats(attempts=lambda: replicas.attempts(), overloaded=lambda: replicas.overloaded)
     tracer = Tracer(config.tracing)
     repeats = RepeatMemo(
         names_of(config.tenant),

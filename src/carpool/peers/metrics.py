@@ -136,6 +136,7 @@ SUMMED = (
     "abandoned",
     "upstream_calls",
     "upstream_errors",
+    "overloaded",
     "tokens_saved",
     "saved_without_usage",
     "flights",

@@ -281,6 +281,9 @@ class ReplicaSet:
         self.observe = observe
         self.decided = decided
         self.log_interval = log_interval
+        # Calls this machine could not open a connection for (``GatewayOverloaded``): /stats'
+        # ``overloaded``, never a verdict on a replica.
+        self.overloaded = 0
         self.own_keys = own_keys
         # The readiness probe under way, which concurrent ``ready`` calls share (module doc).
         self._readiness: asyncio.Task[bool] | None = None
@@ -458,7 +461,7 @@ class ReplicaSet:
         except BaseException as error:
             self._done(replica)
             if isinstance(error, GatewayOverloaded):
-                replica.calls -= 1  # (never left this machine: no call of the replica's)
+                self.overloaded += 1
             raise
         replica.answered, replica.answered_at = True, self.clock()
         if not response.streaming:
@@ -552,7 +555,7 @@ class ReplicaSet:
                 self._done(replica)
                 replica.probing = False
                 if isinstance(error, GatewayOverloaded):
-                    replica.calls -= 1  # (as ``_attempt``'s)
+                    self.overloaded += 1
                 raise
             break
         self._observe(replica, response.status, decision)
@@ -840,8 +843,9 @@ class ReplicaSet:
         except PathNotAllowed:
             pass  # an in-process upstream: no /models (nothing was sent), but up
         except GatewayOverloaded:
-            # This machine could not open the connection (no descriptor left): no call of the
-            # replica's, nor a verdict on it; the gateway is not ready to serve all the same.
+            # This machine could not open the connection (no descriptor left): no verdict on
+            # the replica; the gateway is not ready to serve all the same.
+            self.overloaded += 1
             return False
         except (UpstreamRedirected, UpstreamBadStatus) as error:
             self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
@@ -972,6 +976,7 @@ class OwnCalls:
     answers itself: a refused list is no failure of the replica)."""
 
     def __init__(self, replicas: ReplicaSet, index: int) -> None:
+        self.owner = replicas
         self.replica = replicas.replicas[index]
         self.observe = replicas._observe
 
@@ -981,7 +986,7 @@ class OwnCalls:
         try:
             response = await replica.upstream.send(request)
         except GatewayOverloaded:
-            replica.calls -= 1  # (never left this machine: no call of the replica's)
+            self.owner.overloaded += 1  # (this machine's want: no status of the replica's)
             raise
         except UpstreamKeyRefused as error:
             self.observe(replica, error.upstream_status or error.status, None)
