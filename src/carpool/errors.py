@@ -310,6 +310,7 @@ class GatewayOverloaded(UpstreamError):
     code = "gateway_overloaded"
     retry_after = 1  # s
     also = (("retry-after", str(retry_after)),)
+    reason = ""  # what this machine lacked, in a few words ("too many open files")
 
 
 class UpstreamTimeout(UpstreamError):

@@ -114,7 +114,8 @@ class RoutingConfig(Section):
         "timed out, 5xx, a pass-through answer cut part-way), whether it recovered in between "
         "or not; the next line counts the "
         "failures and recoveries not logged in between. The first failure after a quiet period "
-        "is always logged, and the recovery from a logged failure.",
+        "is always logged, and the recovery from a logged failure. Also between two lines "
+        "about calls this machine could not open a connection for (gateway_overloaded).",
     )
     ready_timeout_s: float = Field(
         0.8,

@@ -282,8 +282,10 @@ class ReplicaSet:
         self.decided = decided
         self.log_interval = log_interval
         # Calls this machine could not open a connection for (``GatewayOverloaded``): /stats'
-        # ``overloaded``, never a verdict on a replica.
+        # ``overloaded``, never a verdict on a replica (``_overloaded``).
         self.overloaded = 0
+        self._overload_logged_at: float | None = None
+        self._overload_unlogged = 0
         self.own_keys = own_keys
         # The readiness probe under way, which concurrent ``ready`` calls share (module doc).
         self._readiness: asyncio.Task[bool] | None = None
@@ -461,7 +463,7 @@ class ReplicaSet:
         except BaseException as error:
             self._done(replica)
             if isinstance(error, GatewayOverloaded):
-                self.overloaded += 1
+                self._overloaded(replica, error)
             raise
         replica.answered, replica.answered_at = True, self.clock()
         if not response.streaming:
@@ -555,7 +557,7 @@ class ReplicaSet:
                 self._done(replica)
                 replica.probing = False
                 if isinstance(error, GatewayOverloaded):
-                    self.overloaded += 1
+                    self._overloaded(replica, error)
                 raise
             break
         self._observe(replica, response.status, decision)
@@ -672,6 +674,26 @@ class ReplicaSet:
         )
         replica.logged_at, replica.down_logged = now, True
         self._counted(replica)
+
+    def _overloaded(self, replica: ReplicaState, error: GatewayOverloaded) -> None:
+        """A call this machine could not open a connection for (``GatewayOverloaded``):
+        counted, no verdict on its replica; logged once per ``log_interval`` at most, with how
+        many came since the last line (a burst that took every descriptor fails them all)."""
+        self.overloaded += 1
+        now = self.clock()
+        logged = self._overload_logged_at
+        if logged is not None and now - logged < self.log_interval:
+            self._overload_unlogged += 1
+            return
+        more, self._overload_unlogged = self._overload_unlogged, 0
+        self._overload_logged_at = now
+        log.warning(
+            "could not open a connection to upstream %s: %s on this machine (its clients get "
+            "503%s; raise the file descriptor limit, or take fewer client connections)",
+            self._called(replica),
+            error.reason,
+            f", {more} more calls since the last such line" if more else "",
+        )
 
     def _stalled(self, replica: ReplicaState, head_at: float, error: UpstreamStreamStalled) -> None:
         """A stream of ``replica`` stalled (``limits.upstream_timeout``) with nothing after its
@@ -842,10 +864,10 @@ class ReplicaSet:
                 response = await replica.upstream.passthrough("GET", "/models", b"", {}, b"")
         except PathNotAllowed:
             pass  # an in-process upstream: no /models (nothing was sent), but up
-        except GatewayOverloaded:
+        except GatewayOverloaded as error:
             # This machine could not open the connection (no descriptor left): no verdict on
             # the replica; the gateway is not ready to serve all the same.
-            self.overloaded += 1
+            self._overloaded(replica, error)
             return False
         except (UpstreamRedirected, UpstreamBadStatus) as error:
             self._probe_sent(replica, error.status)  # an answer, if none to relay: reachable
@@ -985,8 +1007,10 @@ class OwnCalls:
         replica.calls += 1
         try:
             response = await replica.upstream.send(request)
-        except GatewayOverloaded:
-            self.owner.overloaded += 1  # (this machine's want: no status of the replica's)
+        except GatewayOverloaded as error:
+            self.owner._overloaded(
+                replica, error
+            )  # (this machine's want: no status of the replica's)
             raise
         except UpstreamKeyRefused as error:
             self.observe(replica, error.upstream_status or error.status, None)

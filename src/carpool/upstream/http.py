@@ -158,7 +158,6 @@ import json
 import logging
 import select
 import ssl
-import time
 import zlib
 from collections.abc import (
     AsyncIterable,
@@ -427,29 +426,15 @@ def reason(error: BaseException) -> str:
     )
 
 
-# When ``overloaded`` last logged (monotonic): once per ``OVERLOAD_LOG_S`` at most, however
-# many calls fail so (a burst that took every descriptor fails them all).
-_overload_logged = float("-inf")
-OVERLOAD_LOG_S = 30.0
-
-
 def overloaded(label: str, reason: str) -> GatewayOverloaded:
     """A call that could not open its connection for want of this machine's resources
-    (``wire.local_reason``): a 503 to its clients, no verdict on the replica; logged once per
-    ``OVERLOAD_LOG_S``, with what the operator can do."""
-    global _overload_logged
-    now = time.monotonic()
-    if now - _overload_logged >= OVERLOAD_LOG_S:
-        _overload_logged = now
-        log.warning(
-            "could not open a connection to upstream %s: %s on this machine (its clients get "
-            "503; raise the file descriptor limit, or take fewer client connections)",
-            label,
-            reason,
-        )
-    return GatewayOverloaded(
+    (``wire.local_reason``): a 503 to its clients, no verdict on the replica (counted and
+    logged where calls are judged: ``ReplicaSet.overloaded``)."""
+    error = GatewayOverloaded(
         f"the gateway could not open a connection to upstream {label} ({reason}): retry later"
     )
+    error.reason = reason
+    return error
 
 
 class HttpUpstream:
