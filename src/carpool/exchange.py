@@ -428,15 +428,9 @@ class Exchange:
                 with_usage=None if kept is None else partial(b"".join, kept),
             )
         if ok:
-            failed: UpstreamError | None = None
             try:
-                parsed = orjson.loads(response.body)
-            except orjson.JSONDecodeError:
-                failed = UpstreamError(NOT_JSON)
-            else:
-                if not isinstance(parsed, dict):
-                    failed = UpstreamError(NOT_OBJECT)
-            if failed is not None:
+                parsed = _parsed(response.body)
+            except UpstreamError as failed:
                 # Cut short (a close-delimited body its server dropped midway), not JSON at all
                 # or no object: no answer, as the miss path judges it (``_complete``), never a
                 # 200 a client cannot parse; a failed call, counted as a flight's is.
@@ -611,13 +605,20 @@ def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
     it so (``Api.complete``: for chat and completions, every choice that ``asked`` (the request
     body sent) asked for is there and finished). An incomplete one is still the upstream's own
     2xx answer: its clients get it as it came; it is never stored."""
+    parsed = _parsed(raw)
+    return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
+
+
+def _parsed(raw: bytes) -> dict[str, Any]:
+    """A whole 2xx body as the JSON object every answer is; ``UpstreamError`` (a 502) when it
+    is not JSON (``NOT_JSON``) or not an object (``NOT_OBJECT``)."""
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise UpstreamError(NOT_JSON) from None
     if not isinstance(parsed, dict):
         raise UpstreamError(NOT_OBJECT)
-    return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
+    return parsed
 
 
 class Relay:
