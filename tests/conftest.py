@@ -115,7 +115,10 @@ async def run_gateway(
     gateway = build_gateway(Config(upstreams=upstreams, **config), clock=clock)
     async with serve_app(create_app(gateway)) as url:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+        # (Never through the machine's proxy, nor one a test sets for the gateway: test_proxy.)
+        async with httpx.AsyncClient(
+            base_url=url, limits=limits, timeout=30, trust_env=False
+        ) as client:
             yield Served(url, gateway, client)
 
 

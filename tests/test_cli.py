@@ -726,19 +726,33 @@ def test_an_idle_client_connection_is_closed_after_limits_client_keepalive(worke
         process.wait(10)
 
 
-def test_serve_warns_once_that_a_proxy_variable_set_is_not_used(monkeypatch):
-    # HTTPS_PROXY set (an egress proxy, which the openai SDK reads): the gateway connects
-    # directly, and an upstream reached only through the proxy was a 502 with no hint.
-    for name in ("http_proxy", "https_proxy", "all_proxy"):  # (a CI machine may set them)
+def test_serve_says_which_proxy_an_upstream_is_reached_through_and_warns_of_one_it_cannot_use(
+    monkeypatch,
+):
+    # An upstream reached only through the proxy would otherwise fail with no hint; the
+    # proxy's password is never written.
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):  # (a CI host's)
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.upper(), raising=False)
-    upstream = ["--upstream", "http://127.0.0.1:9/v1"]
-    assert "proxy" not in serve_log("--port", str(free_port()), *upstream)
+    upstreams = ["--upstream", "https://api.example.test/v1", "--upstream", "http://127.0.0.1:9/v1"]
+    assert "proxy" not in serve_log("--port", str(free_port()), *upstreams)
     monkeypatch.setenv("HTTPS_PROXY", "http://user:s3cret@proxy.internal:3128")
     monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
-    log = serve_log("--port", str(free_port()), *upstream)
-    said = [line for line in log.splitlines() if "never through a proxy" in line]
-    assert len(said) == 1 and "HTTPS_PROXY and http_proxy are set" in said[0], log
+    log = serve_log("--port", str(free_port()), *upstreams)
+    said = [line for line in log.splitlines() if "proxy" in line]
+    assert len(said) == 1, log  # (127.0.0.1: loopback, reached directly)
+    assert (
+        "https://api.example.test/v1 is reached through the proxy "
+        "http://***@proxy.internal:3128 (HTTPS_PROXY)"
+    ) in said[0]
+    monkeypatch.setenv("HTTPS_PROXY", "socks5://user:s3cret@proxy.internal:1080")
+    log = serve_log("--port", str(free_port()), *upstreams)
+    said = [line for line in log.splitlines() if "proxy" in line]
+    assert len(said) == 1 and "WARNING" in said[0], log
+    assert (
+        "HTTPS_PROXY (socks5://***@proxy.internal:1080) is not an http:// proxy, the only kind "
+        "carpool uses: https://api.example.test/v1 is reached directly"
+    ) in said[0]
     assert "s3cret" not in log
     assert "proxy" not in serve_log("--port", str(free_port()))  # (the simulator: no call out)
 

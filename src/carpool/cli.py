@@ -14,8 +14,8 @@ No log line carries a URL's credentials or query: upstreams are logged by their 
 (``without_credentials``); so is an upstream whose path does not end in ``/v1``, in the one
 warning that says so. Start-up warns, once each, when the gateway
 holds an upstream key for anyone who asks, when ``/stats``, ``/metrics`` and ``/dashboard``
-are open (no ``admin_token``) on an address beyond loopback, and when a proxy variable is set
-(``HTTPS_PROXY`` and the like: not read) while it has upstreams or Redis to reach. It raises
+are open (no ``admin_token``) on an address beyond loopback, and when the environment names a
+proxy it cannot use for an upstream (``upstream.proxy``; one it uses is said at info). It raises
 its soft file descriptor limit to the hard one, and warns when that is under
 ``FILE_LIMIT_WARN`` (``_raise_file_limit``).
 
@@ -63,6 +63,7 @@ from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
 from .config.loader import PARENT_VARIABLE, load_resolved, resolved_text
 from .config.urls import url_host, without_credentials
 from .logs import configure as configure_logging
+from .upstream.proxy import Unusable, proxy_for
 
 
 @click.group()
@@ -157,17 +158,10 @@ def serve(
                 "sent under it as given; if the server serves them under /v1, add it",
                 without_credentials(url),
             )
+        _say_proxy(log, url, config.upstream.proxy)
+    if config.semantic.judge.url is not None:
+        _say_proxy(log, config.semantic.judge.url, config.upstream.proxy)
     _raise_file_limit(log)
-    proxies = sorted({name for name in os.environ if name.lower() in _PROXY_VARIABLES})
-    if proxies and (config.upstreams or config.redis):
-        # Not read (as the openai SDK and httpx would): said, so that an upstream reached only
-        # through the proxy is not left to a 502 "unreachable" with no hint.
-        log.warning(
-            "%s %s set: carpool connects to its upstreams and Redis directly, never through a "
-            "proxy (docs/security.md)",
-            " and ".join(proxies),
-            "is" if len(proxies) == 1 else "are",
-        )
     if config.holds_upstream_credentials() and not config.auth.client_keys_file:
         log.warning(
             "the gateway holds the upstream key (upstream.api_key, or a user and password in "
@@ -415,9 +409,24 @@ def _raise_file_limit(log: logging.Logger) -> None:
         )
 
 
-# The variables through which HTTP clients are pointed at a proxy (any case: curl and httpx read
-# both), which the gateway does not read.
-_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
+def _say_proxy(log: logging.Logger, url: str, setting: str) -> None:
+    """Which proxy the calls to ``url`` go through (``upstream.proxy``), if any; a warning for
+    one the environment names that the gateway cannot use (it then connects directly): an
+    upstream reached only through it would otherwise fail with no hint."""
+    try:
+        proxy = proxy_for(url, setting)
+    except Unusable as unusable:
+        log.warning(
+            "%s: %s is reached directly (docs/security.md)", unusable, without_credentials(url)
+        )
+        return
+    if proxy is not None:
+        log.info(
+            "%s is reached through the proxy %s (%s)",
+            without_credentials(url),
+            proxy.public,
+            proxy.variable,
+        )
 
 
 def _loopback(host: str) -> bool:

@@ -424,8 +424,10 @@ def build_judge(
         )
     if settings.url is not None:
         from .upstream.http import HttpUpstream
+        from .upstream.proxy import usable_proxy
 
-        server = HttpUpstream(settings.url, config.limits, name="judge")
+        proxy = usable_proxy(settings.url, config.upstream.proxy)
+        server = HttpUpstream(settings.url, config.limits, name="judge", proxy=proxy)
         send, closing = server.send, server.aclose
     return Judge(
         asking(send, None if settings.api_key is None else settings.api_key.get_secret_value()),

@@ -7,7 +7,8 @@
 
 Details:
 - ``make_certs(directory)``: ``ca`` (the CA's PEM), and a certificate and key per name
-  (``certs.cert(name)``, ``certs.key(name)``): ``good`` (``DNS:localhost``, ``IP:127.0.0.1``),
+  (``certs.cert(name)``, ``certs.key(name)``): ``good`` (``DNS:localhost``, ``IP:127.0.0.1``,
+  and ``DNS:upstream.test``, a name only a test proxy knows: ``fakes.proxy``),
   ``other`` (``DNS:other.example`` only: a hostname mismatch at 127.0.0.1), ``selfsigned``
   (names right, signed by itself: an unknown issuer). ``openssl`` missing fails the test
   (CI installs it, ``.ci/run``): a TLS test never skips.
@@ -82,7 +83,8 @@ def make_certs(directory: Path) -> Certs:
         "-addext", "keyUsage=critical,keyCertSign,cRLSign",
         cwd=directory,
     )  # fmt: skip
-    for name, names in (("good", "DNS:localhost,IP:127.0.0.1"), ("other", "DNS:other.example")):
+    good = "DNS:localhost,DNS:upstream.test,IP:127.0.0.1"
+    for name, names in (("good", good), ("other", "DNS:other.example")):
         _openssl(
             "req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
             cwd=directory,

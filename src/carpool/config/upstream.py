@@ -207,6 +207,17 @@ class UpstreamConfig(Section):
         "refusal is the call's (a 502, no replica left out). "
         "Empty: `api_key` for every replica.",
     )
+    proxy: Literal["env", "none"] = Field(
+        "env",
+        description="How the upstreams (and `semantic.judge.url`) are reached: `env` through "
+        "the HTTP proxy the environment names, as curl and the openai SDK read it "
+        "(`HTTPS_PROXY` for an https upstream, `HTTP_PROXY` for an http one, `ALL_PROXY` for "
+        "either, any case; not for a host `NO_PROXY` names; never for a loopback host); `none` "
+        "directly whatever the environment says. Only an `http://` proxy is used (a CONNECT "
+        "tunnel for https), with the user and password of its URL if any; another kind is "
+        "warned of at start-up and not used. Redis and calls between workers never go through "
+        "a proxy.",
+    )
     stream_usage: bool = Field(
         True,
         description="Ask a streaming upstream for a final usage chunk "

@@ -10,6 +10,7 @@ def build_upstreams(config: Config) -> list[Upstream]:
     """One ``Upstream`` per configured URL; none configured = the simulated engine's replicas."""
     if config.upstreams:
         from .http import HttpUpstream, replica_names
+        from .proxy import usable_proxy
 
         names = replica_names(config.upstreams, config.upstream_names)
         return [
@@ -20,6 +21,7 @@ def build_upstreams(config: Config) -> list[Upstream]:
                 label,
                 config.upstream.key_of(i),
                 [config.tenant.header, *config.tenant.credential_headers],
+                usable_proxy(url, config.upstream.proxy),
             )
             for i, (url, (name, label)) in enumerate(zip(config.upstreams, names, strict=True))
         ]

@@ -32,6 +32,12 @@ Contract (on top of ``upstream.base``):
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not:
   aborted then if its body had not come to its end (its client left: the engine stops; over
   TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
+- Through an HTTP proxy (``proxy``: ``upstream.proxy``'s choice for this replica's URL), on
+  both transports: an https replica's calls in a CONNECT tunnel (``wire``'s; aiohttp's for
+  pass-through, whose ``connect`` timeout then bounds the tunnel's opening too), an http one's
+  sent to the proxy naming the replica's URL in full; the proxy's credentials to it alone. Its
+  refusal (a 407, or a CONNECT answered with anything but a 2xx) is ``UpstreamUnreachable``,
+  "proxy answered 407": nothing reached the replica.
 - An https replica is verified, on both transports, with one TLS context made at its first
   call (``_trust``): OpenSSL's default trust, the system's bundle, or what ``SSL_CERT_FILE``
   / ``SSL_CERT_DIR`` name (docs/security.md). A certificate it refuses fails the call as
@@ -204,6 +210,7 @@ from .base import (
     UpstreamResponse,
     connection_listed,
 )
+from .proxy import Proxy
 
 # Response headers not relayed by pass-through: the chunked framing (the ASGI server frames a
 # body of unknown length itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616
@@ -446,6 +453,7 @@ class HttpUpstream:
         label: str | None = None,
         api_key: str | None = None,
         credential_headers: Iterable[str] = (),
+        proxy: Proxy | None = None,
     ) -> None:
         self.name = name or public_url(base_url)
         self.label = label or name or "replica"
@@ -490,6 +498,12 @@ class HttpUpstream:
         self._query = self._base_query + "&" if self._base_query else ""
         self._pool: wire.Pool | None = None
         self._context: ssl.SSLContext | None = None
+        # Through an HTTP proxy (``upstream.proxy``): an https replica's calls in its CONNECT
+        # tunnel (``wire``'s), an http one's sent to the proxy naming the replica's URL in full
+        # (absolute form, RFC 9112 3.2.2), with the proxy's credentials beside.
+        self.proxy = proxy
+        self._forwarded = proxy is not None and not self._tls
+        self._absolute = f"http://{self._netloc}" if self._forwarded else ""
 
     def _trust(self) -> ssl.SSLContext | None:
         """The TLS context of both transports (None over plain HTTP), made at the first call:
@@ -518,6 +532,9 @@ class HttpUpstream:
                 ),
                 timeout=aiohttp.ClientTimeout(
                     total=None,
+                    # Through a proxy, its CONNECT's answer too (which ``sock_connect`` does not
+                    # bound), though then a wait for a place in the pool counts as well.
+                    connect=self.limits.upstream_connect_timeout if self.proxy else None,
                     sock_connect=self.limits.upstream_connect_timeout,
                     # (Between two reads, unlike a cached endpoint's call: a pass-through body
                     # goes to its one client as it comes, each byte news to it.)
@@ -541,10 +558,14 @@ class HttpUpstream:
 
     def _wire(self) -> wire.Pool:
         if self._pool is None:
+            host, port, tunnel = self._host, self._port, self.proxy
+            if self._forwarded and self.proxy is not None:
+                host, port, tunnel = self.proxy.host, self.proxy.port, None
             self._pool = wire.Pool(
-                self._host,
-                self._port,
+                host,
+                port,
                 ssl=self._trust(),
+                tunnel=tunnel,
                 limit=self.limits.upstream_max_connections,
                 connect_timeout=self.limits.upstream_connect_timeout,
                 answer_timeout=self.limits.upstream_timeout,
@@ -568,9 +589,11 @@ class HttpUpstream:
             headers["authorization"] = self._auth
         headers["content-type"] = "application/json"
         headers["accept-encoding"] = "identity"
+        if self._forwarded and self.proxy is not None and self.proxy.authorization:
+            headers["proxy-authorization"] = self.proxy.authorization
         body = orjson.dumps(request.body)
         query = self._query + request.query if request.query else self._base_query
-        target = self._path + request.path + ("?" + query if query else "")
+        target = self._absolute + self._path + request.path + ("?" + query if query else "")
         head = wire.request_head(target, self._netloc, headers, len(body))
         # A stream is read as it comes; anything else whole, in one wait, unless its size is
         # bounded (counted as it comes).
@@ -602,6 +625,9 @@ class HttpUpstream:
                 f"upstream {self.label} is unreachable ({exc.reason})"
             ) from exc
         status, content_type = answer.status, answer.content_type
+        if status == 407 and self._forwarded:
+            answer.discard()
+            raise self._proxy_refused(status)
         if self._held and status in (401, 403):
             # The upstream refused the call made with the gateway's own key: its answer may
             # quote part of the key or name the account, and the client's key is not the one
@@ -696,6 +722,13 @@ class HttpUpstream:
             f" although asked for identity, {why}"
         )
 
+    def _proxy_refused(self, status: int) -> UpstreamUnreachable:
+        """The proxy refused to take the call on (its 407, or any answer to CONNECT but a
+        2xx): nothing reached the replica, as when its connection is refused."""
+        return UpstreamUnreachable(
+            f"upstream {self.label} is unreachable (proxy answered {status})"
+        )
+
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
         """The answer's head came, its body did not whole: the engine took the call, so this
         is no failure to retry on another replica (as ``UpstreamUnreachable`` would be)."""
@@ -711,6 +744,14 @@ class HttpUpstream:
         if self._auth is not None:  # (held)
             headers = {k: v for k, v in headers.items() if k.lower() not in self._replaced}
             headers["authorization"] = self._auth
+        # The proxy's credentials: on the request itself when the proxy forwards it (an http
+        # replica's), on the CONNECT that opens the tunnel otherwise (aiohttp's).
+        proxy_headers = None
+        if self.proxy is not None and self.proxy.authorization is not None:
+            if self._forwarded:
+                headers = {**headers, "proxy-authorization": self.proxy.authorization}
+            else:
+                proxy_headers = {"proxy-authorization": self.proxy.authorization}
         # A streamed upload is watched as it goes: a refusal before its end is heard (``_Heard``).
         heard: _Heard | None = None
         data = body
@@ -726,7 +767,11 @@ class HttpUpstream:
                 data=data,
                 headers=headers,
                 allow_redirects=False,
+                proxy=self.proxy.url if self.proxy is not None else None,
+                proxy_headers=proxy_headers,
             )
+        except aiohttp.ClientHttpProxyError as exc:  # (CONNECT refused)
+            raise self._proxy_refused(exc.status) from exc
         except _NOT_CONNECTED as exc:
             local = wire.local_reason(getattr(exc, "os_error", None))
             if local is not None:  # (this machine's want, as for ``send``)
@@ -758,6 +803,9 @@ class HttpUpstream:
             # An answer before the body's end that refuses it, or closes, stops the body.
             closing = response.headers.get("connection", "").lower() == "close"
             heard.refused = response.status >= 400 or closing
+        if response.status == 407 and self._forwarded:  # (as for ``send``)
+            response.release()
+            raise self._proxy_refused(407)
         if self._held and response.status in (401, 403):
             # As for the cached endpoints' calls (``send``).
             response.release()

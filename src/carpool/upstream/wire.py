@@ -95,6 +95,13 @@ Contract:
 - A connection this machine could not open for want of its own resources (no file descriptor,
   no local port, no buffer or memory: ``local_reason``) is a ``WireLocal``: no failure of the
   replica's, which was never reached.
+- ``Pool(..., tunnel=proxy)``: each connection is a tunnel through that HTTP proxy
+  (``upstream.proxy``): a TCP connection to the proxy, ``CONNECT host:port``, and once it
+  answers 2xx (its head at most ``MAX_HEAD`` bytes, nothing after it) TLS to the replica over
+  it, all within ``connect_timeout``. Any other answer is a ``WireError`` ("proxy answered
+  407"), as a refused connection: nothing was sent to the replica. (An http replica behind a
+  proxy needs no tunnel: its pool connects to the proxy and its requests name the replica's
+  URL in full, ``upstream.http``.)
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ import httptools
 
 from .. import http_syntax
 from ..errors import RETRY_HEADERS
+from .proxy import Proxy
 
 monotonic = time.monotonic  # the idle clock (a test moves it)
 
@@ -260,8 +268,10 @@ class Pool:
         connect_timeout: float = 10.0,
         answer_timeout: float = 600.0,
         keepalive_s: float = 4.0,
+        tunnel: Proxy | None = None,
     ) -> None:
         self.host, self.port, self.ssl = host, port, ssl
+        self.tunnel = tunnel
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.answer_timeout = answer_timeout
@@ -400,13 +410,16 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, connection = await loop.create_connection(
-                    lambda: Connection(self),
-                    self.host,
-                    self.port,
-                    ssl=self.ssl,
-                    server_hostname=self.host if self.ssl is not None else None,
-                )
+                if self.tunnel is None:
+                    _, connection = await loop.create_connection(
+                        lambda: Connection(self),
+                        self.host,
+                        self.port,
+                        ssl=self.ssl,
+                        server_hostname=self.host if self.ssl is not None else None,
+                    )
+                else:
+                    connection = await self._through(self.tunnel, loop)
         except TimeoutError as exc:
             self._gone()
             # Not a ``WireTimeout``: nothing was sent, so this is an unreachable replica (502,
@@ -433,6 +446,25 @@ class Pool:
             connection.close()
             raise WireError("connection failed")
         self.busy.add(connection)
+        return connection
+
+    async def _through(self, proxy: Proxy, loop: asyncio.AbstractEventLoop) -> Connection:
+        """A TLS connection to the replica through ``proxy``'s CONNECT tunnel (the module's
+        contract)."""
+        assert self.ssl is not None  # (an http replica's requests go to the proxy in full)
+        transport, opening = await loop.create_connection(_Tunnel, proxy.host, proxy.port)
+        try:
+            transport.write(proxy.connect_head(self.host, self.port))
+            await opening.answered
+            connection = Connection(self)
+            tls = await loop.start_tls(transport, connection, self.ssl, server_hostname=self.host)
+        except BaseException:
+            opening.answered.cancel()  # (a timeout's: the proxy's late failure is nobody's)
+            transport.abort()
+            raise
+        assert tls is not None  # (None only for a transport closing: an error raised then)
+        # (``start_tls`` does not call ``connection_made``; a connection opened with TLS has it.)
+        connection.connection_made(tls)
         return connection
 
     def release(self, connection: Connection) -> None:
@@ -621,6 +653,42 @@ MAX_HEAD = 64 * 1024
 # The fields of an answer's head kept beside its content type: when to retry a refused call
 # (``errors.RETRY_HEADERS``, relayed to the client), as the parser reports them.
 RETRY_FIELDS = frozenset(name.encode("ascii") for name in RETRY_HEADERS)
+
+
+class _Tunnel(asyncio.Protocol):
+    """A proxy's answer to ``CONNECT`` (``Pool._through``): ``answered`` is done once its head
+    came, 2xx and nothing after it, else failed with a ``WireError`` naming its status."""
+
+    def __init__(self) -> None:
+        self.answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.head = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered.done():
+            return
+        self.head += data
+        head, end, rest = self.head.partition(b"\r\n\r\n")
+        if not end:
+            if len(self.head) > MAX_HEAD:
+                self.answered.set_exception(WireError("proxy answer head too large"))
+            return
+        status_line = head.split(b"\r\n", 1)[0].split(b" ", 2)
+        status = status_line[1] if len(status_line) > 1 else b""
+        if not (status_line[0].startswith(b"HTTP/1.") and status.isdigit() and len(status) == 3):
+            self.answered.set_exception(WireError("malformed proxy answer"))
+        elif not status.startswith(b"2"):
+            self.answered.set_exception(WireError(f"proxy answered {status.decode()}"))
+        elif rest:
+            # (The replica speaks only after the client's first bytes: anything here is the
+            # proxy's, and would be read as the replica's answer.)
+            self.answered.set_exception(WireError("malformed proxy answer"))
+        else:
+            self.answered.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.answered.done():
+            reason = reason_of(exc) if exc is not None else "connection closed by the proxy"
+            self.answered.set_exception(WireError(reason))
 
 
 class _HeadTooLarge(Exception):

@@ -1,0 +1,260 @@
+"""An upstream reached through an HTTP proxy, as the environment names one (``upstream.proxy``,
+docs/security.md "Proxies"): an https upstream through the proxy's CONNECT tunnel, an http one
+in absolute form, the proxy's credentials sent to it and to nobody else, a proxy's refusal a
+502 "unreachable", and loopback, ``NO_PROXY`` and ``upstream.proxy: none`` reached directly.
+
+The upstream is named ``upstream.test``, a name only the test proxy knows (``fakes.proxy``): a
+call that did not go through the proxy cannot reach it."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from yarl import URL
+
+from carpool.upstream.proxy import Unusable, proxy_for
+from conftest import run_gateway
+from fakes.proxy import HttpProxy
+from fakes.serving import serve_app
+from fakes.tls import Certs, make_certs, serve_tls
+from fakes.upstream import FakeUpstream
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
+SAMPLED_STREAM = {**CHAT, "temperature": 0.7, "stream": True}
+BASIC = "Basic " + base64.b64encode(b"carpool@corp:p:w/d").decode()
+VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None of the machine's own (a CI host may set them)."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+async def upstream(
+    request: pytest.FixtureRequest, certs: Certs, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[FakeUpstream, str, int]]:
+    """(the fake, its URL under the name ``upstream.test``, its port), over ``request.param``:
+    "https" or "http"."""
+    fake = FakeUpstream()
+    if request.param == "https":
+        monkeypatch.setenv("SSL_CERT_FILE", certs.ca)
+        monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+        async with serve_tls(fake, certs) as url:
+            port = URL(url).port
+            assert port is not None
+            yield fake, f"https://upstream.test:{port}/v1", port
+    else:
+        async with serve_app(fake) as url:
+            port = URL(url).port
+            assert port is not None
+            yield fake, f"http://upstream.test:{port}/v1", port
+
+
+def _asked(fake: FakeUpstream) -> list[str]:
+    return [call.path for call in fake.calls]
+
+
+@pytest.mark.parametrize("upstream", ["https", "http"], indirect=True)
+async def test_an_upstream_is_reached_through_the_proxy_the_environment_names(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole answers, a stream and pass-through all go through the proxy, with its credentials
+    (percent-decoded from its URL); the upstream never sees them."""
+    fake, url, port = upstream
+    async with HttpProxy({"upstream.test": port}, require=BASIC) as proxy:
+        with_credentials = proxy.url.replace("://", "://carpool%40corp:p%3Aw%2Fd@")
+        variable = "HTTPS_PROXY" if url.startswith("https") else "http_proxy"
+        monkeypatch.setenv(variable, with_credentials)
+        async with run_gateway([url]) as gw:
+            whole = await gw.client.post("/v1/chat/completions", json=CHAT)
+            assert whole.status_code == 200, whole.text
+            assert whole.json()["choices"][0]["message"]["content"]
+            async with gw.client.stream(
+                "POST", "/v1/chat/completions", json=SAMPLED_STREAM
+            ) as streamed:
+                text = (await streamed.aread()).decode()
+            assert streamed.status_code == 200 and "data: [DONE]" in text
+            models = await gw.client.get("/v1/models")  # (pass-through: aiohttp)
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
+            again = await gw.client.post("/v1/chat/completions", json=CHAT)
+            assert again.headers["x-carpool"] == "hit"
+    assert _asked(fake) == ["/v1/chat/completions", "/v1/chat/completions", "/v1/models"]
+    assert all("proxy-authorization" not in call.headers for call in fake.calls)
+    assert set(proxy.credentials) == {BASIC}
+    if url.startswith("https"):
+        assert proxy.tunnels and set(proxy.tunnels) == {f"upstream.test:{port}"}
+        assert proxy.requests == []
+    else:
+        assert proxy.tunnels == []
+        base = f"http://upstream.test:{port}/v1"
+        assert proxy.requests == [
+            f"POST {base}/chat/completions",
+            f"POST {base}/chat/completions",
+            f"GET {base}/models",
+        ]
+
+
+@pytest.mark.parametrize("upstream", ["https", "http"], indirect=True)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_a_proxy_that_refuses_its_credentials_is_a_502_unreachable_that_names_its_407(
+    upstream: tuple[FakeUpstream, str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    fake, url, port = upstream
+    caplog.set_level(logging.DEBUG)
+    async with HttpProxy({"upstream.test": port}, require=BASIC) as proxy:
+        monkeypatch.setenv("ALL_PROXY", proxy.url.replace("://", "://carpool:s3cret@"))
+        async with run_gateway([url]) as gw:
+            if path == "/v1/models":
+                response = await gw.client.get(path)
+            else:
+                response = await gw.client.post(path, json=CHAT)
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert message == "upstream replica-0 is unreachable (proxy answered 407)"
+    assert fake.calls == []
+    assert "s3cret" not in response.text and "s3cret" not in caplog.text
+
+
+@pytest.mark.parametrize("upstream", ["https"], indirect=True)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_a_proxy_that_never_answers_the_connect_is_a_connection_timed_out(
+    upstream: tuple[FakeUpstream, str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    """Within ``limits.upstream_connect_timeout`` (TCP, CONNECT and TLS together): nothing
+    reached the replica, so a 502 "unreachable" as a connection that timed out, and the
+    proxy's late failure is nobody's (no "exception was never retrieved")."""
+    fake, url, port = upstream
+    async with HttpProxy({"upstream.test": port}, stall=True) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        limits = {"upstream_connect_timeout": 0.3}
+        async with run_gateway([url], limits=limits) as gw:
+            if path == "/v1/models":
+                response = await gw.client.get(path)
+            else:
+                response = await gw.client.post(path, json=CHAT)
+    assert proxy.stalled.is_set()
+    assert response.status_code == 502, response.text
+    message = response.json()["error"]["message"]
+    assert message == "upstream replica-0 is unreachable (connection timed out)"
+    assert fake.calls == []
+    assert "never retrieved" not in caplog.text
+
+
+@pytest.mark.parametrize("upstream", ["https"], indirect=True)
+@pytest.mark.parametrize(
+    "how", ["upstream.proxy: none", "NO_PROXY names it", "NO_PROXY names its domain"]
+)
+async def test_an_upstream_the_settings_exclude_is_reached_directly(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Reached directly, ``upstream.test`` is a name nobody resolves: a 502 "name not resolved",
+    the proxy never asked."""
+    fake, url, port = upstream
+    config = {}
+    async with HttpProxy({"upstream.test": port}) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        if how == "upstream.proxy: none":
+            config = {"upstream": {"proxy": "none"}}
+        elif how == "NO_PROXY names it":
+            monkeypatch.setenv("NO_PROXY", f"example.com, upstream.test:{port}")
+        else:
+            monkeypatch.setenv("no_proxy", ".test")
+        async with run_gateway([url], **config) as gw:
+            response = await gw.client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert "unreachable" in response.json()["error"]["message"]
+    assert proxy.tunnels == [] and proxy.credentials == [] and fake.calls == []
+
+
+@pytest.mark.parametrize("upstream", ["https", "http"], indirect=True)
+async def test_a_loopback_upstream_is_reached_directly_whatever_the_environment_says(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, url, port = upstream
+    async with HttpProxy({"upstream.test": port}) as proxy:
+        monkeypatch.setenv("ALL_PROXY", proxy.url)
+        loopback = url.replace("upstream.test", "127.0.0.1")
+        async with run_gateway([loopback]) as gw:
+            response = await gw.client.post("/v1/chat/completions", json=CHAT)
+            models = await gw.client.get("/v1/models")
+    assert response.status_code == 200 and models.status_code == 200
+    assert proxy.credentials == [] and len(fake.calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "no_proxy", "direct"),
+    [
+        ("https://api.example.com/v1", "", False),
+        ("https://api.example.com/v1", "*", True),
+        ("https://api.example.com/v1", "example.com", True),
+        ("https://api.example.com/v1", ".example.com", True),
+        ("https://example.com/v1", ".example.com", True),
+        ("https://notexample.com/v1", "example.com", False),
+        ("https://api.example.com:8443/v1", "api.example.com:8443", True),
+        ("https://api.example.com/v1", "api.example.com:8443", False),
+        ("https://10.1.2.3/v1", "10.0.0.0/8", True),
+        ("https://10.1.2.3/v1", "10.1.2.3", True),
+        ("https://11.1.2.3/v1", "10.0.0.0/8", False),
+        ("https://[2001:db8::1]:8443/v1", "[2001:db8::1]:8443", True),
+        ("https://[2001:db8::1]/v1", "2001:db8::/32", True),
+        ("https://[2001:db8::1]/v1", "[2001:db8::1]:8443", False),
+        ("https://localhost:8000/v1", "", True),
+        ("https://127.0.0.9/v1", "", True),
+        ("https://[::1]/v1", "", True),
+    ],
+)
+def test_no_proxy_names_domains_addresses_ranges_and_ports_and_loopback_is_always_direct(
+    monkeypatch: pytest.MonkeyPatch, url: str, no_proxy: str, direct: bool
+) -> None:
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.corp:3128")
+    monkeypatch.setenv("NO_PROXY", no_proxy)
+    proxy = proxy_for(url)
+    assert (proxy is None) is direct
+    if proxy is not None:
+        assert (proxy.host, proxy.port, proxy.variable) == ("proxy.corp", 3128, "HTTPS_PROXY")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("socks5://proxy.corp:1080", "is not an http:// proxy"),
+        ("https://proxy.corp:3128", "is not an http:// proxy"),
+        ("http://proxy.corp:99999", "is not a URL"),
+    ],
+)
+def test_a_proxy_the_gateway_cannot_use_is_named_without_its_credentials(
+    monkeypatch: pytest.MonkeyPatch, value: str, why: str
+) -> None:
+    monkeypatch.setenv("ALL_PROXY", value.replace("://", "://user:s3cret@"))
+    with pytest.raises(Unusable) as refused:
+        proxy_for("https://api.example.com/v1")
+    assert why in str(refused.value) and "s3cret" not in str(refused.value)
+    assert "ALL_PROXY" in str(refused.value)
+
+
+def test_the_environment_is_read_only_for_upstream_proxy_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "proxy.corp:3128")  # (no scheme: http, as curl reads it)
+    proxy = proxy_for("http://api.example.com/v1")
+    assert proxy is not None and proxy.url == "http://proxy.corp:3128"
+    assert proxy_for("http://api.example.com/v1", "none") is None
+    assert proxy_for("https://api.example.com/v1") is None  # (HTTPS_PROXY unset, no ALL_PROXY)
