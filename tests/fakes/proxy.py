@@ -113,8 +113,8 @@ class HttpProxy:
                 upstream.write("\r\n".join([line, *kept, "", ""]).encode("latin-1"))
                 length = int(lower.get("content-length", "0"))
                 upstream.write(await reader.readexactly(length))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # (the gateway gone, or the proxy closing: ``aclose``)
         finally:
             self._tasks.discard(task)
             for side in (writer, upstream):
