@@ -65,6 +65,17 @@ def test_public_surface_is_pinned():
         carpool.no_such_name  # noqa: B018
 
 
+def test_the_package_says_its_version_and_that_it_is_typed():
+    """``carpool.__version__`` is the installed distribution's (``carpool --version``'s), and
+    the package carries its PEP 561 marker: a library user's mypy reads its types."""
+    import importlib.metadata
+    import importlib.resources
+
+    assert carpool.__version__ == importlib.metadata.version("carpool")
+    assert "__version__" in dir(carpool)
+    assert (importlib.resources.files("carpool") / "py.typed").is_file()
+
+
 def test_readme_library_example_runs():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "library.py")],

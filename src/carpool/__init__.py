@@ -72,6 +72,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # (the installed distribution's, as ``carpool --version`` says)
+        from importlib.metadata import version
+
+        return version("carpool")
     module = _FROM.get(name)
     if module is None:
         raise AttributeError(f"module 'carpool' has no attribute {name!r}")
@@ -81,4 +85,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, "__version__"})

@@ -49,7 +49,6 @@ from .commands.check import check_config
 from .commands.common import (
     SEMANTIC_MODULES,
     default_of,
-    install_hint,
     listen_problem,
     load_config,
     missing_extra,
@@ -62,6 +61,7 @@ from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
 from .config.loader import PARENT_VARIABLE, load_resolved, resolved_text
 from .config.urls import url_host, without_credentials
+from .extras import install_hint
 from .logs import configure as configure_logging
 from .upstream.proxy import Unusable, proxy_for
 

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from ..config import Config
+from ..extras import install_hint
 from . import process
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     except ImportError as error:
         print(
             f"carpool bench: semantic.enabled needs the semantic extra: "
-            f"pip install '.[semantic]' in carpool's checkout ({error})",
+            f"{install_hint('semantic')} ({error})",
             file=sys.stderr,
         )
         sys.exit(2)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from ..extras import install_hint
 from . import stats
 from .replay import Result, Run
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 OutcomeOf = Callable[[Result], str]
 
 MISSING = (
-    "Plots need matplotlib, which is not installed: `pip install '.[bench]' in carpool's checkout`, then "
+    f"Plots need matplotlib, which is not installed: `{install_hint('bench')}`, then "
     "run the benchmark again."
 )
 COLORS = {

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
 from ..config.urls import url_host
+from ..extras import install_hint
 
 
 def config_path(config_file: str | None) -> str | None:
@@ -52,11 +53,6 @@ def load_config(config_file: str | None, overrides: dict[str, Any]) -> Config:
     except ConfigError as error:
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
-
-
-def install_hint(extra: str) -> str:
-    """How to install an extra (carpool installs from its repository, not a package index)."""
-    return f"pip install '.[{extra}]' in carpool's checkout"
 
 
 #: The modules of the semantic extra that a served gateway imports with semantic.enabled (its

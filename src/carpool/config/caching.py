@@ -293,7 +293,8 @@ class SemanticConfig(Section):
     enabled: bool = Field(
         False,
         description="Serve near-duplicate prompts from the semantic cache "
-        "(needs the semantic extra: pip install '.[semantic]' in carpool's checkout).",
+        "(needs the semantic extra: pip install '.[semantic]' in carpool's checkout, or the "
+        "wheel carpool came from with `[semantic]` after its path).",
     )
     mode: Literal["serve", "mark"] = Field(
         "serve",

@@ -231,8 +231,10 @@ def connect(
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
     except ImportError as exc:  # pragma: no cover - depends on the install
+        from ..extras import install_hint
+
         raise ImportError(
-            "sharing through Redis needs the redis extra: pip install '.[redis]' in carpool's checkout"
+            f"sharing through Redis needs the redis extra: {install_hint('redis')}"
         ) from exc
     retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
     if cluster:

@@ -16,7 +16,7 @@ that the dot product of two vectors is their cosine similarity:
 The embedders (:mod:`.local`, :mod:`.upstream`) micro-batch (:mod:`.microbatch`).
 
 The heavy dependencies (numpy, tokenizers, safetensors, onnxruntime, onnx) are the ``semantic``
-extra: ``pip install '.[semantic]'`` in carpool's checkout; the weights are found or fetched as :mod:`.weights`
+extra (``carpool.extras.install_hint``); the weights are found or fetched as :mod:`.weights`
 says.
 This package imports without them; using an embedder without them raises
 :class:`SemanticDependencyError`, which says so (``_require``, ``_require_numpy``).
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ...extras import install_hint
 
 try:  # numpy is in the "semantic" extra: this module must import without it.
     import numpy as np
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["INSTALL_HINT", "Embedder", "EmbeddingDimMismatch", "SemanticDependencyError"]
 
-INSTALL_HINT = "pip install '.[semantic]' in carpool's checkout"
+INSTALL_HINT = install_hint("semantic")
 
 
 class EmbeddingDimMismatch(ValueError):
