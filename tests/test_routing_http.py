@@ -279,6 +279,50 @@ async def test_a_stored_response_is_fetched_and_continued_on_the_replica_that_ma
             assert sum(f.count() for f in fakes) == 4 * 8
 
 
+async def test_one_tenants_stored_responses_never_evict_another_tenants_replica():
+    # Which replica made each stored response was remembered in one bound for all tenants,
+    # least recently used out: a tenant making more than the bound pushed out every other
+    # tenant's, whose follow-ups then went where the policy said, and the other replica's
+    # false, final 404 came back. A tenant beyond its share now pushes out its own oldest.
+    quiet, loud = {"Authorization": "Bearer quiet"}, {"Authorization": "Bearer loud"}
+    bound = 10
+    async with replicas(2) as fakes:
+        for fake in fakes:
+            fake.keeps_responses = True
+        routing = {"policy": "round-robin", "state_entries": bound}
+        async with run_gateway([f.url for f in fakes], routing=routing) as gw:
+            client = gw.client
+
+            async def made(headers: dict[str, str], text: str) -> str:
+                asked = {"model": "m", "input": text, "temperature": 0}
+                answered = await client.post("/v1/responses", json=asked, headers=headers)
+                assert answered.status_code == 200, answered.text
+                return answered.json()["id"]
+
+            async def fetched(headers: dict[str, str], rid: str) -> list[int]:
+                # Twice: in turn, one of the two goes to the replica that did not make it.
+                return [
+                    (await client.get(f"/v1/responses/{rid}", headers=headers)).status_code
+                    for _ in range(2)
+                ]
+
+            kept = [await made(quiet, f"quiet question {i}") for i in range(3)]
+            flood = [await made(loud, f"loud question {i}") for i in range(3 * bound)]
+            assert len(gw.gateway.layers.holders) == bound
+            assert {rid: await fetched(quiet, rid) for rid in kept} == {
+                rid: [200, 200] for rid in kept
+            }
+            follow = {"model": "m", "input": "and then?", "temperature": 0}
+            for rid in kept:
+                then = await client.post(
+                    "/v1/responses", json={**follow, "previous_response_id": rid}, headers=quiet
+                )
+                assert then.status_code == 200, then.text
+            # The flood's newest are followed still; its oldest went (the policy's turn: 404).
+            assert await fetched(loud, flood[-1]) == [200, 200]
+            assert 404 in await fetched(loud, flood[0])
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "least-loaded", "round-robin"])
 async def test_a_stored_chat_completion_is_fetched_updated_and_deleted_on_the_replica_that_made_it(
     policy,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from carpool.state_index import PER_TAG, Held, StateIndex
+from carpool.store.base import state_tag
 
 
 async def test_one_response_continued_by_every_request_holds_a_bounded_list():
@@ -27,6 +28,22 @@ async def test_one_response_continued_by_every_request_holds_a_bounded_list():
     assert sum(len(held.keys) for held in forgotten) >= 4 * PER_TAG
     last = index.take("\nstate P")
     assert f"key-{5 * PER_TAG - 1}" in last.keys
+
+
+async def test_one_tenants_deletions_never_push_out_another_tenants_deleted_response():
+    """The responses deleted lately were remembered in one bound for all tenants: a tenant
+    deleting more than it while another tenant's call ran, continuing a response that tenant
+    had deleted, pushed it out, and the call stored its answer (served later, though its
+    response was gone). A tenant beyond its share now pushes out its own oldest."""
+    index = StateIndex(max_entries=10, tombstones=4)
+    quiet = state_tag("quiet", "resp_1")
+    index.take(quiet)
+    flood = [state_tag("loud", f"resp_{n}") for n in range(20)]
+    for tag in flood:
+        index.take(tag)
+    assert index.deleted([quiet])
+    assert index.deleted([flood[-1]]) and not index.deleted([flood[0]])
+    assert index.fly([quiet], "key-1") == []  # (still known deleted: not indexed)
 
 
 async def test_the_answers_under_every_tag_are_bounded_and_the_tags_just_added_stay():

@@ -25,15 +25,21 @@ Contract:
   keys).
 - ``deleted(tags)``: whether one of ``tags`` was taken: an answer continuing (or being) a
   response deleted while its call ran is not stored (``Leader._store`` asks before storing,
-  and again once stored, taking back what it put meanwhile). The last ``TOMBSTONES`` tags
-  taken are remembered; a call outliving that many DELETEs since may store its answer.
+  and again once stored, taking back what it put meanwhile). ``TOMBSTONES`` tags taken are
+  remembered, shared fairly between tenants (``idempotency.finished``): beyond, the oldest
+  goes unless its tenant holds fewer than its share, then the oldest of the tenant holding
+  the most; so one tenant deleting in a loop pushes out its own, never a quieter tenant's.
+  A call outliving that many DELETEs since (its own tenant's, or of tenants of one each)
+  may store its answer.
 - Bounded: ``max_entries`` tags (``routing.state_entries``), the least recently stored under
   out first; and ``2 * max_entries`` answers (keys and entries) under them in all, a tag
   holding more than ``PER_TAG`` pushed out whole (one stored response continued by every
   request: its list only grew, each key in it long gone from the cache). What a tag pushed out
   held is forgotten from the layers then (``evicted``, set by
   the gateway; in a task of its own, not on the storing flight's path, a failure logged): no answer of a tag this
-  index no longer knows outlives a ``DELETE`` of it. In this process only: what another worker
+  index no longer knows outlives a ``DELETE`` of it. (One bound for all tenants, not shared
+  fairly: a tag pushed out costs its tenant cache misses only, as the cache's own bounds,
+  one for all tenants, do.) In this process only: what another worker
   or instance stored is in its own index, and a ``DELETE`` reaches it (``carpool.peers``'s
   ``{"state": tag}``, the Redis invalidation channel's state message).
 """
@@ -45,7 +51,9 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from .background import Background
+from .idempotency.finished import Finished, by_count
 from .lru import LRU
+from .store.base import state_tenant
 
 __all__ = ["Held", "StateIndex"]
 
@@ -84,7 +92,8 @@ class StateIndex:
         self._held: LRU[str, Held] = LRU(max_entries=max_entries, on_evict=self._pushed_out)
         self._answers = 0  # under every tag held, counted once a tag
         self._max_answers = 2 * max_entries
-        self._gone: LRU[str, bool] = LRU(max_entries=tombstones)
+        # The tags taken, each under its tenant (``_tombstone``).
+        self._gone: Finished[bool] = by_count(tombstones)
         # What a tag pushed out held, forgotten from the layers (the gateway sets it).
         self.evicted: Callable[[Held], Coroutine[Any, Any, Any]] | None = None
         self._forgetting = Background("forgetting a pushed-out tag's answers", log)
@@ -119,7 +128,7 @@ class StateIndex:
         or done (``Gateway.forget_state``). What to hand ``landed`` once the call ends; a tag
         deleted already is left out (its call is the upstream's to refuse)."""
         flown: list[tuple[str, Held]] = []
-        tags = tuple(tag for tag in tags if tag not in self._gone)
+        tags = tuple(tag for tag in tags if _tombstone(tag) not in self._gone)
         for tag in tags:
             held = self._held.get(tag)
             if held is not None and len(held) >= PER_TAG:
@@ -167,10 +176,10 @@ class StateIndex:
         return 0 if held is None else len(held)
 
     def deleted(self, tags: Iterable[str]) -> bool:
-        return any(tag in self._gone for tag in tags)
+        return any(_tombstone(tag) in self._gone for tag in tags)
 
     def take(self, tag: str) -> Held:
-        self._gone.put(tag, True)
+        self._gone.put(_tombstone(tag), True)
         held = self._held.pop(tag) or Held()
         self._answers -= len(held)
         return held
@@ -185,3 +194,8 @@ class StateIndex:
         if self.evicted is None:
             return
         self._forgetting.spawn(self.evicted(held))
+
+
+def _tombstone(tag: str) -> str:
+    """The key of a taken tag among the tombstones: its tenant first, as ``Finished`` reads it."""
+    return f"{state_tenant(tag)}\n{tag}"

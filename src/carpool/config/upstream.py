@@ -86,9 +86,12 @@ class RoutingConfig(Section):
         "it (vLLM and SGLang each keep their own responses); so do the files uploaded and the "
         "batches made through the gateway (/v1/files/{id}, /v1/batches/{id}, a POST "
         "/v1/batches of such a file: SGLang keeps them per process). Beyond it the least recently "
-        "made or named are forgotten, and their follow-ups routed by the policy. At "
-        "most ~250 bytes an entry: 100,000 (under 25 MB) cover the last ~15 minutes at 100 "
-        "responses a second.",
+        "made or named are forgotten, and their follow-ups routed by the policy; shared fairly "
+        "between tenants: a tenant holding less than its share (this bound over the tenants "
+        "holding some) loses none while another holds more, so one tenant's load forgets its "
+        "own, never another's. ~260 bytes an "
+        "entry (~740 where each is its own tenant's): 100,000 (~26 MB) cover the last ~15 "
+        "minutes at 100 responses a second.",
     )
     backoff_s: float = Field(
         5.0,

@@ -23,6 +23,9 @@ Contract:
 - O(1) but ``expire`` (a scan) and an eviction's choice of tenant (O(log tenants)).
 - ``on_gone(key, record)`` hears of every record dropped on its own (evicted or expired), not
   of those the caller pops or replaces.
+- ``by_count(max_records)``: one bounded in records only, none expiring, for what holds records
+  of one size fairly between tenants (``routing.state``: which replica made each stored
+  response; ``state_index``: the responses deleted lately).
 
 Why lists threaded through the records rather than an ``LRU`` a tenant: with a tenant per
 record (many clients, one key each) an ``LRU`` would add ~1.4 KB a record; a ``_Tenant`` adds
@@ -32,6 +35,8 @@ record (many clients, one key each) an ``LRU`` would add ~1.4 KB a record; a ``_
 from __future__ import annotations
 
 import heapq
+import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -250,6 +255,20 @@ class Finished(Generic[V]):
             if tenant is not None and heap[0] == self._rank(name, tenant):
                 return name
             heapq.heappop(heap)
+
+
+def by_count(max_records: int) -> Finished[V]:
+    """Records bounded in number only (each counts 0 bytes against an unreachable byte bound),
+    none expiring: the share of a tenant is its records'."""
+    return Finished(max_records=max_records, max_bytes=sys.maxsize, size=_uncounted, expires=_never)
+
+
+def _uncounted(key: str, record: object) -> int:
+    return 0
+
+
+def _never(record: object) -> float:
+    return math.inf
 
 
 #: What a record's node takes (a ``_Node``; its place in the map is ``lru.SLOT_BYTES``), for a

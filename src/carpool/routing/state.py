@@ -33,8 +33,15 @@ followed alike. So:
   chosen answers what it knows: a 404).
 - Keyed by (tenant, id): an id routes only the requests of the tenant whose call made it;
   another tenant naming it is routed by the policy, as for an id unknown.
-- Bounded: ``max_entries`` (``routing.state_entries``), the least recently made or named out
-  first, at most ~250 bytes an entry (~145 measured). In this process only: a response made
+- Bounded: ``max_entries`` (``routing.state_entries``), shared fairly between tenants, as the
+  idempotency records are (``idempotency.finished``): beyond it, the least recently made or
+  named of all goes, unless its tenant holds fewer than its share (``max_entries //
+  tenants``); then the least recently made or named of the tenant holding the most goes. So
+  a tenant making more responses than the others forgets its own, never a quieter tenant's
+  (whose follow-ups would go where the policy says: a false 404); tenants of an entry each
+  (made-up keys) are each at their share, forgotten no sooner than in one plain LRU. ~260
+  bytes an entry (measured full and churned, ids of vLLM's length), ~740 where each is its
+  own tenant's (the tenant's count and rank). In this process only: a response made
   through another worker of ``--workers N`` or another gateway instance is unknown here, and
   routes by the policy (as does one forgotten). A cached answer needs nothing: its response
   was remembered when the upstream made it, if here.
@@ -59,7 +66,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from carpool.lru import LRU
+from carpool.idempotency.finished import Finished, by_count
 
 __all__ = [
     "StateHolders",
@@ -75,23 +82,30 @@ DEFAULT_ENTRIES = 100_000
 
 
 class StateHolders:
-    """(tenant, id) -> the name of the replica that made it, least recently used out first."""
+    """(tenant, id) -> the name of the replica that made it; beyond the bound, the least
+    recently made or named of the tenant over its share out first (the module's contract)."""
 
     def __init__(self, max_entries: int = DEFAULT_ENTRIES) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be positive")
-        # One string a key (a tuple would cost another object an entry); the separator cannot
-        # be in a tenant (hex digits or "anonymous"). Values: the replicas' own name strings.
-        self._held: LRU[str, str] = LRU(max_entries=max_entries)
+        # One string a key (a tuple would cost another object an entry), its tenant before the
+        # line feed as ``Finished`` reads it: a tenant is hex digits or "anonymous". Values:
+        # the replicas' own name strings.
+        self._held: Finished[str] = by_count(max_entries)
 
     def remember(self, tenant: str, state_id: str, replica: str) -> None:
-        self._held.put(f"{tenant} {state_id}", replica)
+        self._held.put(f"{tenant}\n{state_id}", replica)
 
     def holder(self, tenant: str, state_id: str | None) -> str | None:
-        """The replica that made ``state_id`` for ``tenant``, if known."""
+        """The replica that made ``state_id`` for ``tenant``, if known (the most recently
+        named now)."""
         if not state_id:
             return None
-        return self._held.get(f"{tenant} {state_id}")
+        key = f"{tenant}\n{state_id}"
+        replica = self._held.pop(key)
+        if replica is not None:
+            self._held.put(key, replica)  # (``Finished`` moves none on a read)
+        return replica
 
     def __len__(self) -> int:
         return len(self._held)

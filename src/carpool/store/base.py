@@ -65,6 +65,11 @@ def state_tag(tenant: str, state_id: str) -> str:
     return f"\nstate {tenant} {state_id}"
 
 
+def state_tenant(tag: str) -> str:
+    """The tenant of a ``state_tag`` (for what is bounded fairly between tenants)."""
+    return tag.split(" ", 2)[1] if " " in tag else ""
+
+
 @dataclass(slots=True, eq=False)
 class Entry:
     answer: Answer
