@@ -139,6 +139,9 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   of the item's index and the whole list), as llama-cpp-python's server does; a single input
   (or a list of one) is answered right. Or a function of the ``Call``, broken when it says so:
   a router in front that sends some keys or headers to such an engine.
+- ``fail_embeddings: Callable[[Any], bool] | None``: an embeddings call with an input item for
+  which it says True is answered 500 ``server_error``, the whole call (a list's other items
+  unanswered), as llama.cpp's server answers an input over its physical batch (512 tokens).
 - ``drop_embeddings: set[int]``: input indices whose vector never appears in an embeddings
   answer's ``data`` (the others keep their indices): an engine that answered fewer inputs.
 - ``embedding_fn: Callable[[str | list[int]], list[float]] | None``: the vector of one input item
@@ -394,6 +397,7 @@ class FakeUpstream:
         self.broken_list_embeddings: bool | Callable[[Call], bool] = False
         self.embedding_fn: Callable[[Any], list[float]] | None = None
         self.drop_embeddings: set[int] = set()
+        self.fail_embeddings: Callable[[Any], bool] | None = None
         self.valid_keys: set[str] | dict[str, set[str]] | None = None
         self.error_after: int | None = None
         self.names_after_request_id: bool = False
@@ -1028,6 +1032,10 @@ class FakeUpstream:
                 "'input' must be a string or a non-empty list",
                 "invalid_request_error",
             )
+            return
+        fails = self.fail_embeddings
+        if fails is not None and any(fails(item) for item in items):
+            await self._send_error(send, call, 500, "input is too large to process", "server_error")
             return
         dims = body.get("dimensions") or 8
         model = body.get("model", "fake-embedding")

@@ -747,11 +747,13 @@ def test_an_embedder_outlives_its_event_loop():
     assert len(fake.calls) == 2
 
 
-async def test_the_breaker_opens_on_failures_in_a_row_and_backs_off_only_as_its_tries_fail():
+async def test_the_breaker_opens_when_its_own_text_fails_too_and_backs_off_only_as_checks_fail():
     # Calls sent before it opened and failing after doubled its pause each: a burst of ten
-    # lookups on a hung embedder opened it for 30 s at once. Now only a failed try doubles it,
-    # and an answer about the texts (a 4xx) closes it: the embedder answered.
+    # lookups on a hung embedder opened it for 30 s at once. Now only a failed check doubles it,
+    # and an answer about the texts (a 4xx) closes it: the embedder answered. Failures in a row
+    # open it only once the embedder fails the gateway's own text too (CHECK_TEXT, asked alone).
     from carpool.errors import UpstreamStatusError
+    from carpool.semantic.embed import upstream
     from carpool.semantic.embed.upstream import RETRY_MIN_S, EmbedderDown
 
     fake = FakeEmbeddings()
@@ -762,14 +764,18 @@ async def test_the_breaker_opens_on_failures_in_a_row_and_backs_off_only_as_its_
         *(embedder.embed(f"t{i}") for i in range(10)), return_exceptions=True
     )
     assert all(isinstance(r, RuntimeError) for r in burst) and len(fake.calls) == 10
+    assert breaker.retry_at is None  # (clients' texts alone: not yet)
+    with pytest.raises(RuntimeError):  # its check fails: open
+        await embedder.embed("checked first")
+    assert fake.calls[10:] == [[upstream.CHECK_TEXT]]  # (the caller's own text not sent)
     assert breaker.retry_at is not None and breaker.retry_s == RETRY_MIN_S
     with pytest.raises(EmbedderDown):
         await embedder.embed("skipped")
-    assert len(fake.calls) == 10  # (not sent)
-    breaker.retry_at = 0.0  # (its pause has passed) the try fails: twice the pause
+    assert len(fake.calls) == 11  # (not sent)
+    breaker.retry_at = 0.0  # (its pause has passed) the check fails: twice the pause
     with pytest.raises(RuntimeError):
         await embedder.embed("try")
-    assert breaker.retry_s == 2 * RETRY_MIN_S
+    assert breaker.retry_s == 2 * RETRY_MIN_S and fake.calls[11:] == [[upstream.CHECK_TEXT]]
     fake.error = UpstreamStatusError(400, b'{"error": "input too long"}')
     breaker.retry_at = 0.0
     with pytest.raises(UpstreamStatusError):
@@ -777,3 +783,31 @@ async def test_the_breaker_opens_on_failures_in_a_row_and_backs_off_only_as_its_
     assert breaker.retry_at is None and breaker.failures == 0  # it answered: closed
     fake.error = None
     assert (await embedder.embed("a")).shape == (8,)
+
+
+async def test_texts_the_embedder_fails_while_it_answers_its_own_never_open_the_breaker():
+    # An input the engine cannot take (llama.cpp: a 500 over its batch size) failed three
+    # embeddings in a row and opened the breaker for every text. Now each three failures in a
+    # row cost one check of the gateway's own text, and while that is answered the breaker
+    # stays closed: the failing texts are their requesters' misses, the others embedded.
+    from carpool.errors import UpstreamStatusError
+    from carpool.semantic.embed import upstream
+
+    fake = FakeEmbeddings()
+
+    async def call(texts: list[str]) -> list[list[float]]:
+        if any(t.startswith("too long") for t in texts):
+            fake.calls.append(list(texts))
+            raise UpstreamStatusError(500, b'{"error": "input is too large to process"}')
+        return await fake(texts)
+
+    embedder = UpstreamEmbedder(call, dim=8, max_batch=1)
+    for round_ in range(3):
+        for n in range(3):
+            with pytest.raises(UpstreamStatusError):
+                await embedder.embed(f"too long {round_} {n}")
+        vector = await embedder.embed(f"another's {round_}")  # checks first, then embeds
+        np.testing.assert_allclose(vector, unit(fake.vector(f"another's {round_}")), rtol=1e-6)
+        assert embedder.breaker.retry_at is None and embedder.breaker.failures == 0
+    checks = [c for c in fake.calls if c == [upstream.CHECK_TEXT]]
+    assert len(checks) == 3  # (one per three failures in a row)

@@ -110,9 +110,10 @@ async def test_a_hung_upstream_embedder_is_skipped_after_three_failures_until_a_
     held,
 ):
     # Before, every lookup in a scope with entries waited the whole embed_timeout_ms (1 s by
-    # default) for as long as the embedder hung. Three failed embeddings open the breaker: lookups
-    # then send no embeddings call (a miss at once) but one try a second, and a try that
-    # answers closes it.
+    # default) for as long as the embedder hung. Three failed embeddings, then the check of a
+    # text of the gateway's own that follows them failing too, open the breaker: lookups then
+    # send no embeddings call (a miss at once) but one check a second, and a check that is
+    # answered closes it.
     async with hung_after_one_entry(held) as (app, gw):
         breaker = gw.gateway.semantic.embedder.breaker
         for n in range(5):
@@ -131,6 +132,47 @@ async def test_a_hung_upstream_embedder_is_skipped_after_three_failures_until_a_
         await chat(gw, "How do I reset my modem?")
         assert breaker.retry_at is None and breaker.failures == 0
         await eventually(lambda: gw.gateway.semantic.entries == 2, what="an entry again")
+
+
+async def test_one_requesters_text_the_embedder_fails_does_not_turn_off_the_semantic_cache_for_others(
+    fake, gateway_with
+):
+    # llama.cpp's server answers 500 to an input over its physical batch (512 tokens): one
+    # tenant's long prompts (well under semantic.max_text_chars) failed three embeddings in a row
+    # and opened the embedder's one breaker, and every other tenant's paraphrases were misses for
+    # as long as that tenant kept sending them. Failures in a row now open it only when the
+    # embedder fails a text of the gateway's own too (one call each time they reach three): a
+    # text it fails while it answers that one is its requester's miss, no one else's.
+    fake.embedding_fn = by_words
+    fake.fail_embeddings = lambda item: len(str(item).split()) > 300
+    from carpool.semantic.embed import upstream as embed_upstream
+
+    semantic = {**UPSTREAM_EMBEDDER, "embedding_dim": 64}
+    long = "please tell me " + " ".join(["more about the history of the old city"] * 40)
+    a, b = ({"authorization": f"Bearer tenant-{t}"} for t in "AB")
+    async with gateway_with(semantic=semantic) as gw:
+        cache = gw.gateway.semantic
+        assert (await gw.chat("How do I reset my router?", headers=b)).status_code == 200
+        await eventually(lambda: cache.entries == 1, what="B's entry")
+        for n in range(4):
+            for m in range(3):
+                answered = await gw.chat(f"{long} {n} {m}", headers=a)
+                assert answered.headers["x-carpool"] == "miss"
+            await eventually(lambda n=n: cache.embed_failures == 3 * (n + 1), what="A's misses")
+            paraphrase = await gw.chat("how do I reset my router", headers=b)
+            assert paraphrase.headers["x-carpool"] == "semantic-hit", n
+        own = embed_upstream.CHECK_TEXT
+        checks = [c for c in fake.calls if c.path == "/v1/embeddings" and c.body["input"] == own]
+        assert len(checks) == 4  # (one per three failures in a row: telling them apart)
+        # The embedder down (it fails every text, its own too): still skipped after three
+        # failures in a row and its check, but for one check a second.
+        fake.fail_embeddings = lambda item: True
+        for n in range(4):
+            assert (await gw.chat(f"Question {n} about routers", headers=b)).status_code == 200
+        assert cache.embedder.breaker.retry_at is not None
+        sent = fake.count("/v1/embeddings")
+        skipped = await gw.chat("how do I reset my router", headers=b)
+        assert skipped.headers["x-carpool"] == "miss" and fake.count("/v1/embeddings") == sent
 
 
 async def test_the_upstream_embedder_sends_its_own_key_never_a_clients(

@@ -10,11 +10,16 @@ Contract
   never holds one of the ``max_in_flight`` slots longer, so the batches after it are not held
   up behind it.
 - A breaker: ``FAILURES_TO_OPEN`` embeddings failed in a row (timed out, unreachable, a 5xx, an
-  answer of the wrong shape: not a 4xx about the texts) open it, and while it is open ``embed``
-  raises :class:`EmbedderDown` at once, but for one text let through every ``retry_s`` (1 s,
-  doubling while it fails, up to ``RETRY_MAX_S``); the first embedding that succeeds closes it.
-  Without it, a hung embedder cost every lookup in a scope with entries the whole timeout
-  (1 s by default) before its miss, for as long as it hung.
+  answer of the wrong shape: not a 4xx about the texts) make the next caller first ask the
+  embedder for ``CHECK_TEXT``, a text of the gateway's own, alone; only if that fails too does
+  it open, and while it is open ``embed`` raises :class:`EmbedderDown` at once, but for one
+  caller every ``retry_s`` (1 s, doubling while it fails, up to ``RETRY_MAX_S``) that checks
+  again, and goes on with its own text if the check is answered (which closes it). A text the
+  embedder fails while it answers its own (an input over llama.cpp's batch size: a 500) is its
+  requester's miss: clients' texts alone never open it, nor keep it open, for everyone. The
+  check costs one call each ``FAILURES_TO_OPEN`` failures in a row, and the caller's wait for
+  both stays within ``timeout_s``. Without the breaker, a hung embedder cost every lookup in a
+  scope with entries the whole timeout (1 s by default) before its miss, for as long as it hung.
 - :func:`embeddings_through` is that ``call`` for the gateway's replicas (``send``), under the
   embedder's ``model`` and ``headers`` (its key). A micro-batch holds every tenant's prompts,
   and merging must not change an answer: some engines answer a list wrongly (llama-cpp-python's
@@ -60,11 +65,17 @@ __all__ = ["EmbedderDown", "UpstreamEmbedder", "embeddings_through"]
 
 log = logging.getLogger("carpool.semantic")
 
-FAILURES_TO_OPEN = 3  # embeddings failed in a row that open the breaker
-RETRY_MIN_S = 1.0  # s between the calls let through while it is open; doubles while they fail
+FAILURES_TO_OPEN = 3  # embeddings failed in a row that make the breaker check the embedder
+RETRY_MIN_S = 1.0  # s between the checks while it is open; doubles while they fail
 RETRY_MAX_S = 30.0
+# The breaker's own text: short, plain, and no client's (what it answers is about the embedder).
+CHECK_TEXT = "carpool checks that the embedder answers."
 # What an embeddings call answers about the texts it was given, not about the embedder.
 _ABOUT_THE_TEXTS = frozenset({400, 413, 422})
+
+
+def _about_the_texts(error: BaseException) -> bool:
+    return isinstance(error, UpstreamStatusError) and error.status in _ABOUT_THE_TEXTS
 
 
 class EmbedderDown(RuntimeError):
@@ -73,55 +84,74 @@ class EmbedderDown(RuntimeError):
 
 class _Breaker:
     """The module's breaker: ``admit()`` before a text is asked for (raises while open, but for
-    one text every ``retry_s``: the try, for which it returns True), then ``succeeded()`` or
-    ``failed(error, try_)`` after its embedding."""
+    one caller every ``retry_s``); when it returns True, that caller checks the embedder with
+    ``CHECK_TEXT`` first and says what came of it (``checked``). Then ``succeeded()`` or
+    ``failed(error)`` after the text's embedding."""
 
     def __init__(self) -> None:
-        self.failures = 0  # embeddings failed in a row
+        self.failures = 0  # clients' embeddings failed in a row
         self.retry_s = RETRY_MIN_S
-        self.retry_at: float | None = None  # open: when the next try may go (monotonic)
+        self.retry_at: float | None = None  # open: when the next check may go (monotonic)
+        self.checking = False  # a caller is checking (one at a time)
         self._last: BaseException | None = None  # (a batch's error reaches all its callers)
 
     def admit(self) -> bool:
-        """Whether this text is the try of an open breaker (raises if it is not let through)."""
+        """Whether this caller is to check the embedder first (raises if it is not let through)."""
         if self.retry_at is None:
-            return False
-        now = time.monotonic()
-        if now < self.retry_at:
+            # Failures in a row not yet checked: one caller checks, the others go on meanwhile
+            # (it is not open: they are not refused on clients' texts alone).
+            if self.failures < FAILURES_TO_OPEN or self.checking:
+                return False
+        elif self.checking or time.monotonic() < self.retry_at:
             raise EmbedderDown(
-                f"the upstream embedder failed {self.failures} embeddings in a row; "
-                f"tried again at most every {self.retry_s:g} s"
+                f"the upstream embedder failed {self.failures} embeddings in a row and its "
+                f"own text; checked again at most every {self.retry_s:g} s"
             )
-        self.retry_at = now + self.retry_s  # this caller's try; the others wait for its end
+        self.checking = True
         return True
+
+    def checked(self, error: BaseException | None) -> bool:
+        """The check's outcome (None: answered); returns whether the embedder answered."""
+        self.checking = False
+        if error is None or _about_the_texts(error):  # (a 4xx: it answered)
+            if self.retry_at is None and self.failures:
+                log.debug(
+                    "the upstream embedder failed %d embeddings in a row but answers its own "
+                    "text: failures about those texts (their requesters' misses)",
+                    self.failures,
+                )
+            self.succeeded()
+            return True
+        if self.retry_at is None:
+            log.warning(
+                "the upstream embedder failed %d embeddings in a row and its own text (%s): "
+                "lookups skip it (misses, no entries) but for a check every %g s",
+                self.failures,
+                error.__class__.__name__,
+                self.retry_s,
+            )
+        else:  # a failed check while open: longer until the next
+            self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+        self.retry_at = time.monotonic() + self.retry_s
+        return False
+
+    def cancelled(self) -> None:
+        """The checking caller left before the check's end: the next one checks."""
+        self.checking = False
 
     def succeeded(self) -> None:
         if self.retry_at is not None:
             log.info("the upstream embedder answers again: lookups use it")
         self.failures, self.retry_s, self.retry_at = 0, RETRY_MIN_S, None
 
-    def failed(self, error: BaseException, try_: bool) -> None:
-        if isinstance(error, UpstreamStatusError) and error.status in _ABOUT_THE_TEXTS:
+    def failed(self, error: BaseException) -> None:
+        if _about_the_texts(error):
             self.succeeded()  # (it answered: about the texts, not about itself)
             return
         if error is self._last:
             return  # (one failed call, counted once)
         self._last = error
-        self.failures += 1
-        if self.retry_at is not None:
-            if try_:  # the try failed: longer until the next (not for calls sent before it)
-                self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
-                self.retry_at = time.monotonic() + self.retry_s
-            return
-        if self.failures >= FAILURES_TO_OPEN:
-            log.warning(
-                "the upstream embedder failed %d embeddings in a row (%s): lookups skip it "
-                "(misses, no entries) but for one try every %g s",
-                self.failures,
-                error.__class__.__name__,
-                self.retry_s,
-            )
-            self.retry_at = time.monotonic() + self.retry_s
+        self.failures += 1  # (whether it opens is the check's to say)
 
 
 class UpstreamEmbedder(_BatchingEmbedder):
@@ -162,14 +192,35 @@ class UpstreamEmbedder(_BatchingEmbedder):
     async def _submit(self, text: str) -> Vector:
         # The breaker counts what its callers got: a caller that timed out may have left a
         # batch then cancelled (its callers all gone), which never fails on its own.
-        try_ = self.breaker.admit()
+        deadline = None
+        if self.breaker.admit():
+            # One bound for the check and this text: its caller waits no longer for both.
+            if self.timeout_s is not None:
+                deadline = asyncio.get_running_loop().time() + self.timeout_s
+            await self._check(deadline)
         try:
-            vector = await super()._submit(text)
+            async with asyncio.timeout_at(deadline):  # (None: super()'s own bound alone)
+                vector = await super()._submit(text)
         except Exception as error:
-            self.breaker.failed(error, try_)
+            self.breaker.failed(error)
             raise
         self.breaker.succeeded()
         return vector
+
+    async def _check(self, deadline: float | None) -> None:
+        """The breaker's check: ``CHECK_TEXT`` alone (not micro-batched: no client's text
+        beside it, nor counted as theirs); raises its error if the embedder did not answer."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._vectors([CHECK_TEXT])
+        except asyncio.CancelledError:
+            self.breaker.cancelled()
+            raise
+        except Exception as error:
+            if not self.breaker.checked(error):
+                raise
+        else:
+            self.breaker.checked(None)
 
     async def _compute(self, texts: list[str]) -> Vector:
         return await self._vectors(texts)
