@@ -64,7 +64,7 @@ from fakes.raw_upstream import RawCall, chat_completion, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
 from fakes.serving import serve_app
 from fakes.upstream import DEFAULT_FAIL_BODY, FakeUpstream
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -596,6 +596,60 @@ async def test_refused_connection_is_502_for_every_client_and_the_next_request_t
         assert again.status_code == 502 and again.headers["x-carpool"] == "miss"
         assert gw.gateway.stats.upstream_calls == calls + 1
         await nothing_left(baseline, gw, failed=True)
+
+
+async def test_a_request_waiting_past_upstream_queue_timeout_for_a_connection_is_a_503(
+    fake, gateway_with
+):
+    """Once one client's long stream held every connection to the replica
+    (``limits.upstream_max_connections``), another request waited for one as long as the stream
+    ran: ``limits.upstream_timeout`` counts from the send. Past ``upstream_queue_timeout`` every
+    client of its flight gets a 503 with ``Retry-After``, nothing sent, nothing stored, and the
+    replica is not counted as failing (busy, not down)."""
+    limits = {"upstream_max_connections": 1, "upstream_queue_timeout": 0.2}
+    async with gateway_with(limits=limits) as gw:
+        fake.chunk_gate = asyncio.Event()  # the long stream holds the one connection
+        holder = asyncio.create_task(gw.stream_chat())
+        await fake.chunk_gate_reached.wait()
+        async with asyncio.timeout(WAIT_S):  # (a bound on the test, not a timing it checks)
+            refused = await asyncio.gather(gw.chat("quick"), gw.stream_chat("quick"))
+        responses = [r[0] if isinstance(r, tuple) else r for r in refused]
+        assert [r.status_code for r in responses] == [503, 503], responses[0].text
+        assert {error_of(r)["code"] for r in responses} == {"gateway_overloaded"}
+        assert {r.headers["retry-after"] for r in responses} == {"1"}
+        assert fake.count() == 1  # (the stream's: nothing of "quick" was sent)
+        health = (await gw.client.get("/healthz")).json()
+        assert [(r["healthy"], r["failures"]) for r in health["replicas"].values()] == [(True, 0)]
+        stats = (await gw.client.get("/stats")).json()
+        assert stats["upstream_errors"] == 0 and stats["overloaded"] == 1
+        fake.chunk_gate.set()
+        response, _ = await holder
+        assert response.status_code == 200
+        again = await gw.chat("quick")  # nothing stored of the 503: asked now
+        assert again.status_code == 200 and again.headers["x-carpool"] == "miss"
+        assert fake.count() == 2
+
+
+async def test_a_call_its_busy_replica_could_not_take_in_time_is_tried_on_another(
+    fake, gateway_with
+):
+    """Nothing was sent: another replica's connections may be free, so the call is tried once
+    there (each attempt counted in ``overloaded``), and neither replica is counted as failing."""
+    limits = {"upstream_max_connections": 1, "upstream_queue_timeout": 0.2}
+    async with gateway_with(upstreams=[fake.url, fake.url], limits=limits) as gw:
+        fake.chunk_gate = asyncio.Event()  # two long streams hold a connection of each replica
+        holders = [asyncio.create_task(gw.stream_chat(f"long {i}")) for i in range(2)]
+        await fake.wait_for_calls(2)
+        before = gw.gateway.stats.overloaded()
+        async with asyncio.timeout(WAIT_S):
+            refused = await gw.chat("quick")
+        assert refused.status_code == 503 and error_of(refused)["code"] == "gateway_overloaded"
+        assert gw.gateway.stats.overloaded() == before + 2  # (on each replica in turn)
+        health = (await gw.client.get("/healthz")).json()
+        assert [r["healthy"] for r in health["replicas"].values()] == [True, True]
+        fake.chunk_gate.set()
+        assert [(await holder)[0].status_code for holder in holders] == [200, 200]
+        assert fake.count() == 2
 
 
 async def test_a_pass_through_call_to_an_unreachable_upstream_is_502_in_openais_shape(gateway_with):

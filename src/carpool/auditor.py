@@ -18,7 +18,9 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   audit, never shared, never written over the entry. An upstream error, a timeout, a non-2xx
   answer, a flight that failed or a judge without a verdict counts nothing (``Audits.failed``).
   Only deterministic requests are audited (two samples may differ), and at most
-  ``MAX_RUNNING`` audits run at once (a draw beyond is skipped). Returns whether an audit
+  ``MAX_RUNNING`` audits run at once, of them at most ``MAX_RUNNING_PER_BUDGET`` of one
+  budget (a draw beyond either is skipped: one budget's slow audits leave room for the others'
+  draws). Returns whether an audit
   began: a match served whose audit asks the upstream is no answer the engine did not compute
   (its tokens are not in ``tokens_saved``).
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("carpool.semantic")
 
 MAX_RUNNING = 64  # audits in flight at once: each is an upstream call
+# Of them, one budget's at most: a tenant whose engine answers its hits slowly would otherwise
+# hold every place, and the hits of every other budget drawn meanwhile would be skipped (their
+# budgets never audited, never backing off). A quarter: a budget alone still gets most of them.
+MAX_RUNNING_PER_BUDGET = MAX_RUNNING // 4
 
 
 class Auditor:
@@ -60,6 +66,7 @@ class Auditor:
     def __init__(self, layers: Layers) -> None:
         self.layers = layers
         self._running = Background("audit", log)  # (an audit's own failure is counted, not raised)
+        self._per_budget: dict[Budget, int] = {}  # the audits running, by budget (none: absent)
         self._strict: RulesThenVerifier | None = None
 
     def maybe(
@@ -72,10 +79,24 @@ class Auditor:
         flight: Broadcast | None = None,
     ) -> bool:
         audits = self.layers.audits
-        if audits is None or len(self._running) >= MAX_RUNNING or not audits.sampled():
+        if (
+            audits is None
+            or len(self._running) >= MAX_RUNNING
+            or self._per_budget.get(budget, 0) >= MAX_RUNNING_PER_BUDGET
+            or not audits.sampled()
+        ):
             return False
-        self._running.spawn(self._audit(request, budget, match, view, near, flight))
+        task = self._running.spawn(self._audit(request, budget, match, view, near, flight))
+        self._per_budget[budget] = self._per_budget.get(budget, 0) + 1
+        task.add_done_callback(lambda _: self._ended(budget))
         return True
+
+    def _ended(self, budget: Budget) -> None:
+        left = self._per_budget[budget] - 1
+        if left:
+            self._per_budget[budget] = left
+        else:
+            del self._per_budget[budget]  # (budgets are many: only those running are held)
 
     async def _audit(
         self,

@@ -311,6 +311,26 @@ class GatewayOverloaded(UpstreamError):
     retry_after = 1  # s
     also = (("retry-after", str(retry_after)),)
     reason = ""  # what this machine lacked, in a few words ("too many open files")
+    # What the operator may do about it (``ReplicaSet``'s log line).
+    advice = "raise the file descriptor limit, or take fewer client connections"
+
+    def said(self) -> str:
+        """What happened, for the operator's log line."""
+        return f"{self.reason} on this machine"
+
+
+class UpstreamBusy(GatewayOverloaded):
+    """Every connection of the gateway's to a replica (``limits.upstream_max_connections``)
+    stayed in use for ``limits.upstream_queue_timeout`` while the call waited for one (other
+    calls' long streams hold theirs as long as they run): nothing was sent. The gateway's own
+    limit, as ``GatewayOverloaded`` (its 503, ``Retry-After``, counted in ``overloaded``, no
+    verdict on the replica: it is busy, not failing), but another replica's connections may be
+    free: a routed call is tried once on another (``ReplicaSet.send``)."""
+
+    advice = "raise limits.upstream_max_connections, or add replicas"
+
+    def said(self) -> str:
+        return self.reason
 
 
 class UpstreamTimeout(UpstreamError):

@@ -249,7 +249,8 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "carpool_gateway_overloaded",
             "Upstream calls this machine could not open a connection for (no file descriptor, "
-            "no local port): answered 503 gateway_overloaded.",
+            "no local port; or every connection to the replica busy past "
+            "limits.upstream_queue_timeout): answered 503 gateway_overloaded.",
             value=s.overloaded(),
         )
         routing = CounterMetricFamily(

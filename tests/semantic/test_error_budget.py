@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
+from carpool.auditor import MAX_RUNNING, MAX_RUNNING_PER_BUDGET  # noqa: E402
 from carpool.canonical import requester  # noqa: E402
 from carpool.identity import ANONYMOUS_TENANT  # noqa: E402
 from carpool.semantic.audit import MIN_AUDITS, Budget  # noqa: E402
@@ -236,6 +237,26 @@ async def test_audits_run_in_the_background_after_the_client_got_its_answer(fake
         assert report["wrong"] == 0 and report["state"] == "serving"  # the answers agree
         # The audit's answer was not stored: the paraphrase is still served from the entry.
         assert outcome(await ask(gw, PARAPHRASES[0])) == "semantic-hit"
+
+
+async def test_one_budgets_slow_audits_leave_room_for_another_budgets(fake, gateway_with):
+    # At most MAX_RUNNING audits run at once, a draw beyond skipped: one budget's hits on
+    # prompts its engine answers slowly held them all, and every hit of another budget drawn
+    # meanwhile was skipped (its budget had no audit to back off by). Each budget now holds at
+    # most its share of them.
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        audits = gw.gateway.layers.audits
+        await ask(gw, ROUTER, "slow")
+        await ask(gw, ROUTER, "other")
+        fake.gate = asyncio.Event()  # every audit's upstream call is held: a slow engine
+        for _ in range(MAX_RUNNING):  # (each hit drawn, its audit begun before its answer)
+            assert outcome(await ask(gw, PARAPHRASES[0], "slow")) == "semantic-hit"
+        assert outcome(await ask(gw, PARAPHRASES[0], "other")) == "semantic-hit"
+        fake.gate.set()
+        await gw.gateway.auditor.settle()
+        report = audits.snapshot()
+        assert report.get("other", {}).get("audited") == 1, report  # its audit was not skipped
+        assert report["slow"]["audited"] == MAX_RUNNING_PER_BUDGET  # the rest skipped
 
 
 async def test_an_audited_semantic_hits_tokens_are_not_counted_saved(fake, gateway_with):

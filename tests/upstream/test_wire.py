@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from carpool.upstream import wire
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 # A server's answer to its n-th request.
 Respond = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -569,6 +569,34 @@ async def _first_held(serve: Any, first_answer: bytes) -> tuple[Any, Any, asynci
 
 async def _ask(pool: Any, body: bytes) -> bytes:
     return await (await pool.request(post(body), True)).read()
+
+
+async def test_a_request_waiting_past_its_queue_timeout_fails_busy_and_leaves_the_line(serve):
+    """A request beyond the limit waited for a connection for as long as those holding them
+    ran (a long stream: minutes); ``answer_timeout`` counts from its send only. Past
+    ``queue_timeout`` it fails (``WireBusy``: nothing sent), out of the line: the connection
+    freed then goes to the next request, no place lost."""
+    asked, gate = asyncio.Event(), asyncio.Event()
+
+    async def handle(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            asked.set()
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    server, pool = await serve(handle, limit=1, queue_timeout=0.05)
+    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    await asyncio.wait_for(asked.wait(), 5)
+    with pytest.raises(wire.WireBusy) as busy:
+        await asyncio.wait_for(_ask(pool, b'"waiting"'), WAIT_S)
+    assert not busy.value.sent and not busy.value.answered
+    assert not pool._waiting and pool.open == 1
+    gate.set()
+    assert await (await asyncio.wait_for(first, 5)).read() == b"{}"
+    assert await asyncio.wait_for(_ask(pool, b'"later"'), 5) == b"{}"
+    bodies = [request.rsplit(b"\r\n\r\n", 1)[1] for request in server.requests]
+    assert bodies == [b'"first"', b'"later"'] and server.connections == 1 and pool.open == 1
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["given back", "closed"])

@@ -186,8 +186,20 @@ class LimitsConfig(Section):
         1000,
         gt=0,
         description="Pooled connections per replica; a request beyond waits for one, in turn "
-        "(first come, first served). Per pool: the cached endpoints' calls and pass-through "
-        "calls have one each, and so has each worker process (serve --workers).",
+        "(first come, first served), for at most `upstream_queue_timeout`. Per pool: the "
+        "cached endpoints' calls and pass-through calls have one each, and so has each worker "
+        "process (serve --workers).",
+    )
+    upstream_queue_timeout: float = Field(
+        30,
+        gt=0,
+        description="Seconds a cached endpoint's call may wait for a connection to its "
+        "replica when all `upstream_max_connections` are in use (long streams hold theirs as "
+        "long as they run; pass-through calls wait without this bound). Past it: 503 gateway_overloaded with Retry-After, nothing sent and the replica "
+        "not counted as failing (busy, not down); a cached endpoint's call is tried once on "
+        "another replica first, if there is one. As long as a joiner waits for a flight's "
+        "first output (`coalesce.join_timeout_ms`): a wait for a connection past it would "
+        "leave the joiners to call on their own.",
     )
     body_read_timeout: float = Field(
         30,

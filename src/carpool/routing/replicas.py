@@ -34,7 +34,10 @@ all, and so whether ``text`` matters):
   streamed (a complete 5xx body, or a stream request answered with a 5xx status), downs the replica
   and retries ONCE on another one (``Decision.FAILOVER``), but for a request sent to its
   state's holder (above). If no other replica exists the error is raised / the 5xx returned as
-  it is. A stream that breaks part-way is not retried (bytes reached the client) and does not
+  it is. A call that waited past ``limits.upstream_queue_timeout`` for one of the replica's
+  connections, all held by other calls (``UpstreamBusy``: nothing sent), is tried once on
+  another replica too (but for its state's holder), the replica left as it is: busy, not
+  failing (counted in ``overloaded`` as a ``GatewayOverloaded``). A stream that breaks part-way is not retried (bytes reached the client) and does not
   down the replica; nor does one that stalls (``UpstreamStreamStalled``: no event for
   ``limits.upstream_timeout``), a long generation being slow, but for one with nothing after
   its head on a replica silent to every call since that head: taken for hung, as one silent
@@ -145,6 +148,7 @@ from carpool.errors import (
     PathNotAllowed,
     UpstreamAnswerCut,
     UpstreamBadStatus,
+    UpstreamBusy,
     UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
@@ -402,6 +406,20 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
+                    retry = (
+                        self.choose(text, tried, scope=scope)
+                        if len(tried) < 2 and not pinned
+                        else None
+                    )
+                    if retry is None:
+                        raise
+                    replica, decision = retry[0], Decision.FAILOVER
+                    continue
+                except UpstreamBusy:
+                    # Every connection to it held past ``limits.upstream_queue_timeout`` (long
+                    # streams): nothing sent, and it is busy, not failing (no verdict, counted by
+                    # ``_attempt``). Another replica's connections may be free.
+                    replica.probing = False
                     retry = (
                         self.choose(text, tried, scope=scope)
                         if len(tried) < 2 and not pinned
@@ -688,11 +706,11 @@ class ReplicaSet:
         more, self._overload_unlogged = self._overload_unlogged, 0
         self._overload_logged_at = now
         log.warning(
-            "could not open a connection to upstream %s: %s on this machine (its clients get "
-            "503%s; raise the file descriptor limit, or take fewer client connections)",
+            "could not open a connection to upstream %s: %s (its clients get 503%s; %s)",
             self._called(replica),
-            error.reason,
+            error.said(),
             f", {more} more calls since the last such line" if more else "",
+            error.advice,
         )
 
     def _stalled(self, replica: ReplicaState, head_at: float, error: UpstreamStreamStalled) -> None:

@@ -5,6 +5,9 @@ Contract (on top of ``upstream.base``):
   ``upstream.wire``, a lean HTTP/1.1 client: one pool of kept connections per replica, opened on
   first use (inside the event loop), at most ``limits.upstream_max_connections``, an idle one
   kept ``limits.upstream_keepalive`` seconds; connect and answer timeouts from ``limits``. A
+  call that found every connection in use for ``limits.upstream_queue_timeout`` (long streams
+  hold theirs as long as they run) is ``UpstreamBusy`` (``busy``: a 503, nothing sent, no
+  verdict on the replica; pass-through's aiohttp pool sets no such bound). A
   call that meets the keep-alive race (the server drops a kept connection as the call goes out
   on it, before it could read the call whole) is sent again on a new connection by
   ``upstream.wire``, not failed (no 502, no healthy replica left out), and counted
@@ -188,6 +191,7 @@ from ..errors import (
     RequestError,
     UpstreamAnswerCut,
     UpstreamBadStatus,
+    UpstreamBusy,
     UpstreamContentCoding,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
@@ -444,6 +448,17 @@ def overloaded(label: str, reason: str) -> GatewayOverloaded:
     return error
 
 
+def busy(label: str, waited: float) -> UpstreamBusy:
+    """A call that found every connection to its replica in use for ``waited`` seconds
+    (``limits.upstream_queue_timeout``): a 503 to its clients, no verdict on the replica."""
+    error = UpstreamBusy(
+        f"every connection of the gateway's to upstream {label} stayed busy for {waited:g} s: "
+        "retry later"
+    )
+    error.reason = f"every connection busy for {waited:g} s"
+    return error
+
+
 class HttpUpstream:
     def __init__(
         self,
@@ -567,6 +582,7 @@ class HttpUpstream:
                 ssl=self._trust(),
                 tunnel=tunnel,
                 limit=self.limits.upstream_max_connections,
+                queue_timeout=self.limits.upstream_queue_timeout,
                 connect_timeout=self.limits.upstream_connect_timeout,
                 answer_timeout=self.limits.upstream_timeout,
                 keepalive_s=self.limits.upstream_keepalive,
@@ -603,6 +619,8 @@ class HttpUpstream:
         except wire.WireError as exc:
             if isinstance(exc, wire.WireLocal):
                 raise overloaded(self.label, exc.reason) from exc
+            if isinstance(exc, wire.WireBusy):
+                raise busy(self.label, self.limits.upstream_queue_timeout) from exc
             if exc.answered:
                 raise self._mid_answer(exc) from exc
             timed_out = isinstance(exc, wire.WireTimeout)

@@ -10,7 +10,9 @@ Contract:
 - ``Pool``: the connections to one replica (``host``, ``port``; TLS with ``ssl``). At most
   ``limit`` are open at once; a request beyond waits, in turn, for one to be freed (first come,
   first served: a connection given back, or a place freed, goes to the request that has waited
-  longest, never to one that came after it). An idle one
+  longest, never to one that came after it), for ``queue_timeout`` seconds at most: then it
+  fails, ``WireBusy`` (nothing sent), its turn given up (what is freed goes to the next in
+  line, as for a request cancelled while it waits). An idle one
   is reused, the most recently used first, unless it has been idle for ``keepalive_s`` or more
   (then it is closed: before the server drops it itself, which races with its reuse; the
   oldest idle ones are closed so too whenever a connection comes back, and by a timer at the
@@ -164,6 +166,11 @@ def local_reason(error: BaseException | None) -> str | None:
     return reason
 
 
+class WireBusy(WireError):
+    """No connection free for the request within ``queue_timeout`` (see the module's contract):
+    every one the limit allows in use; nothing was sent."""
+
+
 class WireTimeout(WireError):
     """The answer did not come within ``answer_timeout`` (see the module's contract; no
     connection in time is a plain ``WireError``: nothing was sent)."""
@@ -265,6 +272,7 @@ class Pool:
         *,
         ssl: ssl_module.SSLContext | None = None,
         limit: int = 1000,
+        queue_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         answer_timeout: float = 600.0,
         keepalive_s: float = 4.0,
@@ -273,6 +281,7 @@ class Pool:
         self.host, self.port, self.ssl = host, port, ssl
         self.tunnel = tunnel
         self.limit = limit
+        self.queue_timeout = queue_timeout
         self.connect_timeout = connect_timeout
         self.answer_timeout = answer_timeout
         self.keepalive_s = keepalive_s
@@ -354,8 +363,11 @@ class Pool:
         nobody waiting never takes what was freed for one that waits. ``first``: ahead of
         every request waiting (it has had its turn already); ``fresh``: a new connection,
         never one used before (in the place of the oldest idle one if idle ones hold every
-        place, or of the one given back to it)."""
+        place, or of the one given back to it). Waits ``queue_timeout`` at most, in all: then
+        ``WireBusy``, out of the line (long streams may hold every connection for minutes, and
+        ``answer_timeout`` counts from the send only)."""
         waiting = self._waiting
+        deadline: float | None = None  # (set as it first waits)
         # (``first``: also given a connection that closed before it ran: first in line again)
         while True:
             if self.closed:
@@ -381,15 +393,21 @@ class Pool:
                 waiting.appendleft(waiter)
             else:
                 waiting.append(waiter)
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.queue_timeout
             try:
-                given = await waiter
-            except BaseException:
-                if not waiter.done() or waiter.cancelled():
-                    with contextlib.suppress(ValueError):  # (unless ``_hand`` dropped it)
-                        waiting.remove(waiter)
-                elif waiter.exception() is None:
-                    self._pass_on(waiter.result())  # (given and cancelled at once)
-                raise
+                async with asyncio.timeout_at(deadline):
+                    try:
+                        given = await waiter
+                    except BaseException:  # (the deadline's cancellation too)
+                        if not waiter.done() or waiter.cancelled():
+                            with contextlib.suppress(ValueError):  # (unless ``_hand`` dropped it)
+                                waiting.remove(waiter)
+                        elif waiter.exception() is None:
+                            self._pass_on(waiter.result())  # (given and cancelled at once)
+                        raise
+            except TimeoutError:
+                raise WireBusy("no connection free in time") from None
             if self.closed:
                 self._pass_on(given)
                 raise WireError("connection failed")
