@@ -368,6 +368,11 @@ class ReplicaSet:
         # request's, never failed over (another's answer would be a false, final 404).
         pinned = replica.name == holder
         tried: list[ReplicaState] = []
+
+        def another() -> tuple[ReplicaState, Decision] | None:
+            """The replica to try the call on once more, if any (once, and never pinned)."""
+            return self.choose(text, tried, scope=scope) if len(tried) < 2 and not pinned else None
+
         try:
             while True:
                 tried.append(replica)
@@ -382,11 +387,7 @@ class ReplicaSet:
                     # again elsewhere. Silent to every call since it was sent (a frozen engine whose
                     # socket took the bytes), it is tried elsewhere like one never sent.
                     running = isinstance(error, UpstreamNoAnswer) and replica.answered_at >= sent_at
-                    retry = (
-                        self.choose(text, tried, scope=scope)
-                        if len(tried) < 2 and not running and not pinned
-                        else None
-                    )
+                    retry = None if running else another()
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -406,11 +407,7 @@ class ReplicaSet:
                     replica.answered_at = self.clock()  # (it answered: alive)
                     self._failed(replica, _key_refused(error), seen)
                     self._observe(replica, error.upstream_status or error.status, decision)
-                    retry = (
-                        self.choose(text, tried, scope=scope)
-                        if len(tried) < 2 and not pinned
-                        else None
-                    )
+                    retry = another()
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -420,11 +417,7 @@ class ReplicaSet:
                     # streams): nothing sent, and it is busy, not failing (no verdict, counted by
                     # ``_attempt``). Another replica's connections may be free.
                     replica.probing = False
-                    retry = (
-                        self.choose(text, tried, scope=scope)
-                        if len(tried) < 2 and not pinned
-                        else None
-                    )
+                    retry = another()
                     if retry is None:
                         raise
                     replica, decision = retry[0], Decision.FAILOVER
@@ -454,9 +447,7 @@ class ReplicaSet:
                     self._succeeded(replica)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
-                retry = (
-                    self.choose(text, tried, scope=scope) if len(tried) < 2 and not pinned else None
-                )
+                retry = another()
                 if retry is None:
                     return response, replica, decision
                 await response.aclose()
