@@ -8,8 +8,10 @@ call that did not go through the proxy cannot reach it."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -21,6 +23,7 @@ from fakes.proxy import HttpProxy
 from fakes.serving import serve_app
 from fakes.tls import Certs, make_certs, serve_tls
 from fakes.upstream import FakeUpstream
+from fakes.waiting import eventually
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
 SAMPLED_STREAM = {**CHAT, "temperature": 0.7, "stream": True}
@@ -128,6 +131,115 @@ async def test_a_proxy_that_refuses_its_credentials_is_a_502_unreachable_that_na
     assert message == "upstream replica-0 is unreachable (proxy answered 407)"
     assert fake.calls == []
     assert "s3cret" not in response.text and "s3cret" not in caplog.text
+
+
+def _answer(status: str, field: str) -> bytes:
+    page = b"<html><body>squid/5.7: access denied to http://upstream.test/</body></html>"
+    return (
+        f"HTTP/1.1 {status}\r\n{field}\r\ncontent-type: text/html\r\n"
+        f"content-length: {len(page)}\r\nconnection: close\r\n\r\n"
+    ).encode() + page
+
+
+@pytest.mark.parametrize("upstream", ["http"], indirect=True)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+@pytest.mark.parametrize(
+    ("own", "status"),
+    [
+        (_answer("403 Forbidden", "x-squid-error: ERR_ACCESS_DENIED 0"), 403),
+        (
+            _answer("503 Service Unavailable", 'proxy-status: p; error="destination_unavailable"'),
+            503,
+        ),
+    ],
+    ids=["squid-403", "proxy-status-503"],
+)
+async def test_an_answer_the_proxy_marks_as_its_own_is_a_502_unreachable_not_the_upstreams(
+    upstream: tuple[FakeUpstream, str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    own: bytes,
+    status: int,
+) -> None:
+    """An http upstream's calls go to the proxy in full, so its answers and the proxy's own come
+    alike: one the proxy marks as its own (``X-Squid-Error``, RFC 9209's ``Proxy-Status`` with
+    an ``error``) is no answer of the upstream's (its page, naming the proxy, never relayed; an
+    Idempotency-Key's record not final; the replica not ready), as over a CONNECT tunnel."""
+    fake, url, port = upstream
+    async with HttpProxy({"upstream.test": port}, own=own) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        async with run_gateway([url]) as gw:
+            if path == "/v1/models":
+                response = await gw.client.get(path)
+            else:
+                response = await gw.client.post(path, json=CHAT)
+            ready = await gw.client.get("/readyz")
+    assert response.status_code == 502, response.text
+    message = response.json()["error"]["message"]
+    assert message == f"upstream replica-0 is unreachable (proxy answered {status})"
+    assert "squid" not in response.text and fake.calls == []
+    assert ready.status_code == 503
+
+
+@pytest.mark.parametrize("upstream", ["http"], indirect=True)
+async def test_an_upstreams_own_error_through_the_proxy_is_relayed_as_without_one(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, url, port = upstream
+    fake.fail_status = 503
+    async with HttpProxy({"upstream.test": port}) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        async with run_gateway([url]) as gw:
+            response = await gw.client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == "fake upstream failure"
+
+
+@pytest.mark.parametrize("upstream", ["https", "http"], indirect=True)
+async def test_a_pass_through_call_waiting_for_a_place_in_the_pool_is_not_a_connect_timeout(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``upstream_connect_timeout`` bounds the opening of a connection through the proxy (TCP,
+    CONNECT, TLS), not a wait for one of ``upstream_max_connections`` in use: that wait is the
+    call's turn, as without a proxy (it failed as unreachable, the replica left out)."""
+    fake, url, port = upstream
+    fake.gate = asyncio.Event()
+    async with HttpProxy({"upstream.test": port}) as proxy:
+        monkeypatch.setenv("ALL_PROXY", proxy.url)
+        limits = {"upstream_max_connections": 1, "upstream_connect_timeout": 0.2}
+        async with run_gateway([url], limits=limits) as gw:
+            first = asyncio.ensure_future(gw.client.get("/v1/models"))
+            await eventually(lambda: len(fake.calls) == 1)
+            second = asyncio.ensure_future(gw.client.get("/v1/models"))
+            # (Time passing is the premise, not what is hoped for: past the connect timeout.)
+            await asyncio.sleep(1.0)
+            assert not second.done() and len(fake.calls) == 1
+            fake.gate.set()
+            answers = [await first, await second]
+            stats = (await gw.client.get("/stats")).json()
+    assert [a.status_code for a in answers] == [200, 200]
+    assert stats["upstream_errors"] == 0
+
+
+@pytest.mark.parametrize("upstream", ["https", "http"], indirect=True)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/models"])
+async def test_a_proxy_that_cannot_be_reached_is_named_as_the_one_at_fault(
+    upstream: tuple[FakeUpstream, str, int], monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    fake, url, _ = upstream
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # (bound, never listening: refused)
+    with closed:
+        monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        async with run_gateway([url]) as gw:
+            if path == "/v1/models":
+                response = await gw.client.get(path)
+            else:
+                response = await gw.client.post(path, json=CHAT)
+    assert response.status_code == 502, response.text
+    message = response.json()["error"]["message"]
+    assert message == "upstream replica-0 is unreachable (proxy: connection refused)"
+    assert fake.calls == []
 
 
 @pytest.mark.parametrize("upstream", ["https"], indirect=True)

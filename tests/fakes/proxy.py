@@ -14,6 +14,8 @@ gateway would reach directly).
   connection closed), as a proxy whose user or password is wrong.
 - ``stall``: every request is read and never answered (a proxy stuck reaching the upstream);
   ``stalled`` is set once one was.
+- ``own``: a whole answer (bytes) the proxy gives every http request itself, in place of the
+  upstream's (an ACL's 403, a 503 when the upstream is down), then closes.
 - An http upstream's connection: the first request names where every later one on it goes (as
   the gateway sends them: one replica a pool); each request is relayed whole, its head as sent
   (uvicorn reads a target in absolute form), ``Proxy-Authorization`` left out (hop-by-hop).
@@ -27,9 +29,14 @@ import contextlib
 
 class HttpProxy:
     def __init__(
-        self, hosts: dict[str, int], require: str | None = None, stall: bool = False
+        self,
+        hosts: dict[str, int],
+        require: str | None = None,
+        stall: bool = False,
+        own: bytes | None = None,
     ) -> None:
         self.hosts = hosts
+        self.own = own
         self.require = require
         self.stall = stall
         self.stalled = asyncio.Event()
@@ -103,6 +110,10 @@ class HttpProxy:
                     )
                     return
                 self.requests.append(f"{method} {target}")
+                if self.own is not None:
+                    writer.write(self.own)
+                    await writer.drain()
+                    return
                 if upstream is None:
                     authority = target.split("://", 1)[1].split("/", 1)[0]
                     up_reader, upstream = await asyncio.open_connection(

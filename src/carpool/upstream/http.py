@@ -39,8 +39,11 @@ Contract (on top of ``upstream.base``):
   both transports: an https replica's calls in a CONNECT tunnel (``wire``'s; aiohttp's for
   pass-through, whose ``connect`` timeout then bounds the tunnel's opening too), an http one's
   sent to the proxy naming the replica's URL in full; the proxy's credentials to it alone. Its
-  refusal (a 407, or a CONNECT answered with anything but a 2xx) is ``UpstreamUnreachable``,
-  "proxy answered 407": nothing reached the replica.
+  refusal (a 407, a CONNECT answered with anything but a 2xx, an answer the proxy marks as its
+  own: ``wire.Answer.by_proxy``) is ``UpstreamUnreachable``, "proxy answered 407": nothing
+  reached the replica; a proxy that cannot be reached is "proxy: connection refused". A new
+  pass-through connection is opened within ``limits.upstream_connect_timeout`` in all, TCP,
+  CONNECT and TLS (``_Connector``), its wait for a place in the pool apart.
 - An https replica is verified, on both transports, with one TLS context made at its first
   call (``_trust``): OpenSSL's default trust, the system's bundle, or what ``SSL_CERT_FILE``
   / ``SSL_CERT_DIR`` name (docs/security.md). A certificate it refuses fails the call as
@@ -410,8 +413,36 @@ class _WatchingRequest(aiohttp.ClientRequest):
         await super().write_bytes(writer, conn, *rest, **named)
 
 
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, each new connection opened within ``opening_timeout`` in all (TCP,
+    a proxy's CONNECT, TLS): ``sock_connect`` bounds the TCP part only, and a proxy's answer to
+    CONNECT was waited for as long as ``sock_read`` allows (minutes), while
+    ``ClientTimeout.connect`` would count a wait for a place in the pool too (a busy replica's
+    calls failed as unreachable, the replica left out). Overrides aiohttp 3's
+    ``_create_connection``, which opens a new connection once its place is had."""
+
+    def __init__(self, *, opening_timeout: float, **named: Any) -> None:
+        super().__init__(**named)
+        self._opening_timeout = opening_timeout
+
+    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._opening_timeout):
+                return await super()._create_connection(req, traces, timeout)
+        except TimeoutError as exc:
+            raise aiohttp.ConnectionTimeoutError("connection timed out") from exc
+
+
+def _by_proxy(headers: Mapping[str, str]) -> bool:
+    """Whether a proxy marked this answer as its own (``wire.Answer.by_proxy``'s fields)."""
+    return "x-squid-error" in headers or "error=" in headers.get("proxy-status", "")
+
+
 def reason(error: BaseException) -> str:
     """What went wrong, in a few words fit for a client (no repr, no address)."""
+    if isinstance(error, aiohttp.ClientProxyConnectionError):
+        # (The proxy's fault, not the replica's host: as ``wire.Pool._through`` says it.)
+        return "proxy: " + (wire.os_reason(error.os_error) or "connection failed")
     if isinstance(error, aiohttp.ConnectionTimeoutError):
         return "connection timed out"
     if isinstance(error, _TIMEOUTS):
@@ -534,7 +565,7 @@ class HttpUpstream:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 request_class=_WatchingRequest,
-                connector=aiohttp.TCPConnector(
+                connector=_Connector(
                     limit=self.limits.upstream_max_connections,
                     limit_per_host=0,
                     # (Idle connections dropped before the upstream server drops them itself:
@@ -544,12 +575,10 @@ class HttpUpstream:
                     # does so only for an idempotent method.)
                     keepalive_timeout=self.limits.upstream_keepalive,
                     ssl=self._trust() or True,
+                    opening_timeout=self.limits.upstream_connect_timeout,
                 ),
                 timeout=aiohttp.ClientTimeout(
                     total=None,
-                    # Through a proxy, its CONNECT's answer too (which ``sock_connect`` does not
-                    # bound), though then a wait for a place in the pool counts as well.
-                    connect=self.limits.upstream_connect_timeout if self.proxy else None,
                     sock_connect=self.limits.upstream_connect_timeout,
                     # (Between two reads, unlike a cached endpoint's call: a pass-through body
                     # goes to its one client as it comes, each byte news to it.)
@@ -639,11 +668,11 @@ class HttpUpstream:
                 raise UpstreamTimeout(
                     f"upstream {self.label} did not take the request in time"
                 ) from exc
-            raise UpstreamUnreachable(
-                f"upstream {self.label} is unreachable ({exc.reason})"
-            ) from exc
+            # (Connected to the proxy, for an http replica behind one: its fault, said so.)
+            said = "proxy: " + exc.reason if self._forwarded else exc.reason
+            raise UpstreamUnreachable(f"upstream {self.label} is unreachable ({said})") from exc
         status, content_type = answer.status, answer.content_type
-        if status == 407 and self._forwarded:
+        if self._forwarded and (status == 407 or answer.by_proxy):
             answer.discard()
             raise self._proxy_refused(status)
         if self._held and status in (401, 403):
@@ -741,8 +770,9 @@ class HttpUpstream:
         )
 
     def _proxy_refused(self, status: int) -> UpstreamUnreachable:
-        """The proxy refused to take the call on (its 407, or any answer to CONNECT but a
-        2xx): nothing reached the replica, as when its connection is refused."""
+        """The proxy refused to take the call on, or could not (its 407; an answer it marked
+        as its own, ``wire.Answer.by_proxy``; any answer to CONNECT but a 2xx): nothing reached
+        the replica, as when its connection is refused."""
         return UpstreamUnreachable(
             f"upstream {self.label} is unreachable (proxy answered {status})"
         )
@@ -821,9 +851,9 @@ class HttpUpstream:
             # An answer before the body's end that refuses it, or closes, stops the body.
             closing = response.headers.get("connection", "").lower() == "close"
             heard.refused = response.status >= 400 or closing
-        if response.status == 407 and self._forwarded:  # (as for ``send``)
-            response.release()
-            raise self._proxy_refused(407)
+        if self._forwarded and (response.status == 407 or _by_proxy(response.headers)):
+            response.release()  # (as for ``send``)
+            raise self._proxy_refused(response.status)
         if self._held and response.status in (401, 403):
             # As for the cached endpoints' calls (``send``).
             response.release()

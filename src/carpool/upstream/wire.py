@@ -71,7 +71,9 @@ Contract:
   a stream's is not read, an SSE server's default of the live feed) and its
   ``Content-Encoding`` (``content_encoding``, its lines joined so too; "" for none): the body
   is never decoded here, ``upstream.http`` judges it (asked for ``identity``, an upstream or a
-  proxy before it may compress all the same). The rest is read by no one.
+  proxy before it may compress all the same), and whether a proxy marked it as its own
+  (``by_proxy``: a ``Proxy-Status`` with an ``error``, an ``X-Squid-Error``). The rest is read
+  by no one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``answer_timeout``
   seconds for the answer, counted from when its request was sent (``WireTimeout``, the
@@ -101,7 +103,8 @@ Contract:
   (``upstream.proxy``): a TCP connection to the proxy, ``CONNECT host:port``, and once it
   answers 2xx (its head at most ``MAX_HEAD`` bytes, nothing after it) TLS to the replica over
   it, all within ``connect_timeout``. Any other answer is a ``WireError`` ("proxy answered
-  407"), as a refused connection: nothing was sent to the replica. (An http replica behind a
+  407"), as a refused connection: nothing was sent to the replica; so is a proxy that cannot be
+  reached ("proxy: connection refused"). (An http replica behind a
   proxy needs no tunnel: its pool connects to the proxy and its requests name the replica's
   URL in full, ``upstream.http``.)
 """
@@ -470,7 +473,14 @@ class Pool:
         """A TLS connection to the replica through ``proxy``'s CONNECT tunnel (the module's
         contract)."""
         assert self.ssl is not None  # (an http replica's requests go to the proxy in full)
-        transport, opening = await loop.create_connection(_Tunnel, proxy.host, proxy.port)
+        try:
+            transport, opening = await loop.create_connection(_Tunnel, proxy.host, proxy.port)
+        except OSError as exc:
+            if local_reason(exc) is not None:
+                raise  # (this machine's want: ``_connect``)
+            # The proxy's fault, not the replica's host: said so ("name not resolved" sent the
+            # operator to the replica's DNS).
+            raise WireError(f"proxy: {reason_of(exc)}") from exc
         try:
             transport.write(proxy.connect_head(self.host, self.port))
             await opening.answered
@@ -584,6 +594,7 @@ class Answer:
         "retry",
         "cache_control",
         "content_encoding",
+        "by_proxy",
         "_released",
     )
 
@@ -594,6 +605,7 @@ class Answer:
         self.retry = connection.retry  # (``RETRY_FIELDS`` it said, as they came)
         self.cache_control = connection.cache_control
         self.content_encoding = connection.content_encoding  # ("" for none; never decoded here)
+        self.by_proxy = connection.by_proxy
         self._released = False
 
     async def read(self) -> bytes:
@@ -709,6 +721,12 @@ class _Tunnel(asyncio.Protocol):
             self.answered.set_exception(WireError(reason))
 
 
+# The fields by which a proxy marks an answer as its own, not the server's it was asked to reach:
+# RFC 9209's ``Proxy-Status`` with an ``error`` parameter (one it relays has none), and Squid's
+# ``X-Squid-Error`` on its error pages (``Answer.by_proxy``).
+_PROXY_ERROR_FIELDS = frozenset((b"proxy-status", b"x-squid-error"))
+
+
 class _HeadTooLarge(Exception):
     """Raised by the parser's ``on_header`` past ``MAX_HEAD`` (the parser's error's context)."""
 
@@ -748,6 +766,7 @@ class Connection(asyncio.Protocol):
         "retry",
         "cache_control",
         "content_encoding",
+        "by_proxy",
         "sized",
         "interim",
         "headed",
@@ -784,6 +803,7 @@ class Connection(asyncio.Protocol):
         self.retry: tuple[tuple[str, str], ...] = ()
         self.cache_control = ""  # (its lines joined: ``Answer.cache_control``)
         self.content_encoding = ""  # (likewise: ``Answer.content_encoding``)
+        self.by_proxy = False  # (``Answer.by_proxy``)
         self.sized = False  # a Content-Length or chunked: the body does not end at EOF
         self.interim = False  # a 1xx answer, before the real one
         self.headed = False
@@ -812,6 +832,7 @@ class Connection(asyncio.Protocol):
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         self.retry, self.cache_control, self.content_encoding = (), "", ""
+        self.by_proxy = False
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
@@ -1033,6 +1054,8 @@ class Connection(asyncio.Protocol):
         elif name == b"content-encoding":
             # Every line too: codings are listed in the order they were applied, over lines.
             self.content_encoding = _listed(self.content_encoding, value)
+        elif name in _PROXY_ERROR_FIELDS and (name != b"proxy-status" or b"error=" in value):
+            self.by_proxy = True
 
     def on_headers_complete(self) -> None:
         if self.unasked:
@@ -1057,6 +1080,7 @@ class Connection(asyncio.Protocol):
             self.interim = False
             self.content_type, self.sized, self.retry = "", False, ()
             self.cache_control = self.content_encoding = ""
+            self.by_proxy = False
             return
         self.done = True
         self.keep_alive = not self.lost and self.parser.should_keep_alive()
