@@ -180,7 +180,8 @@ def test_nested_keys_at_any_depth_and_names_in_any_case_after_the_prefix():
 def test_the_variables_carpool_reads_that_are_no_keys_are_not_refused_as_unknown_keys():
     # CARPOOL_REDIS_SERVER (the server `carpool bench` and the tests start), set in a shell,
     # made every command that reads a config refuse to start: "redis_server: unknown key".
-    not_keys = ("CARPOOL_CONFIG", "CARPOOL_PEERS", "CARPOOL_PARENT", "CARPOOL_REDIS_SERVER")
+    not_keys = ("CARPOOL_CONFIG", "CARPOOL_PEERS", "CARPOOL_RUN", "CARPOOL_PARENT")
+    not_keys += ("CARPOOL_REDIS_SERVER",)
     assert Config.load(env=dict.fromkeys(not_keys, "x")) == Config()
 
 

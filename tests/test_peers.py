@@ -31,12 +31,22 @@ from carpool.peers.workers import STALE_SPARE_S
 from carpool.pipeline import Gateway
 from carpool.redis.flight_relay import LOST
 from carpool.request import ClientRequest, parse
+from carpool.rundir import run_directory
 from carpool.server import create_app
 from carpool.store.base import state_tag
 from carpool.wiring import build_gateway
 from conftest import Served
 from fakes.serving import serve_app
 from fakes.waiting import eventually
+
+
+def meeting_place(count: int) -> Path:
+    """A directory made the meeting place of ``count`` workers, as ``carpool serve`` makes its
+    run's (``carpool.rundir``, which locks it; not named as a run's: a run starting meanwhile,
+    pytest -n, would take this unlocked one for a dead run's and remove it)."""
+    directory = Path(tempfile.mkdtemp(prefix="cp-peers-", dir=peers.parent_directory(count)))
+    peers.prepare(directory)
+    return directory
 
 
 @dataclass
@@ -50,7 +60,7 @@ async def two_workers(
     upstream_url: str, b_listens: bool = True, **settings: object
 ) -> AsyncIterator[Pair]:
     """Workers 0 (``a``) and 1 (``b``) of one run; ``b_listens``: false, b is down."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[upstream_url], **settings)
     try:
         gateways = []
@@ -79,7 +89,7 @@ async def workers(
     n: int, upstream_url: str, wrap: Any = None, **settings: object
 ) -> AsyncIterator[list[Served]]:
     """Workers 0..n-1 of one run; ``wrap(i, peers)`` may change worker i's ``Peers`` first."""
-    directory = peers.prepare(n)
+    directory = meeting_place(n)
     config = Config(upstreams=[upstream_url], **settings)
     try:
         gateways = []
@@ -363,7 +373,7 @@ async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_
     """The owner running a keyed stream died with an event half written: the half reached the
     client as an event of its own (the SDK raised a JSONDecodeError, not an APIError). The
     error event is numbered after the events relayed, where the API numbers its events."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[fake.url])
     door = PeerServer()
 
@@ -400,8 +410,8 @@ async def test_a_keyed_stream_whose_owner_dies_mid_event_ends_with_whole_events_
 
 
 async def test_the_meeting_place_is_private(fake):
-    directory = peers.prepare(2)
-    try:
+    with run_directory(peers.parent_directory(2)) as directory:
+        peers.prepare(directory)
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(directory / "secret").st_mode) == 0o600
         first, second = claim(directory, 2), claim(directory, 2)
@@ -411,8 +421,6 @@ async def test_the_meeting_place_is_private(fake):
         os.close(first.lock_fd)  # (as when its worker dies)
         successor = claim(directory, 2)
         assert successor is not None and successor.index == 0
-    finally:
-        peers.remove(directory)
 
 
 async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypatch, tmp_path):
@@ -421,7 +429,7 @@ async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypa
     long = tmp_path / ("d" * 100)
     long.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long))
-    directory = peers.prepare(8)
+    directory = meeting_place(8)
     door = PeerServer()
     try:
         assert directory.parent == Path("/tmp")
@@ -437,7 +445,7 @@ async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypa
         await door.aclose()
         peers.remove(directory)
     monkeypatch.undo()
-    short = peers.prepare(2)  # (a short TMPDIR is kept)
+    short = meeting_place(2)  # (a short TMPDIR is kept)
     try:
         assert short.parent == Path(tempfile.gettempdir())
     finally:
@@ -447,7 +455,7 @@ async def test_a_long_temporary_directory_puts_the_meeting_place_in_tmp(monkeypa
 async def test_an_owner_that_dies_before_its_first_frame_costs_no_client_anything(fake):
     """The owner takes the request and dies before its stream says anything: nothing was
     relayed, so the call is made here, for streaming and non-streaming clients alike."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[fake.url])
     door = PeerServer()
     try:
@@ -490,7 +498,7 @@ async def test_a_stream_whose_owner_dies_after_its_first_frame_says_its_leading_
     """The owner leading a stream's call died after a frame reached the client: its error event
     said "worker 1 stream broke (malformed or truncated answer)", blaming the upstream. It is a
     leader lost, as with Redis (``flight_relay.LOST``): said so, under the same code."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[fake.url])
     door = PeerServer()
     whole = (
@@ -526,7 +534,7 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
     """Sent to the owner of its record, which took it and said nothing in time: it may be
     running there, so it is a 503 to retry (answered from that record while the owner lives), not
     a second run."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(
         upstreams=[fake.url],
         coalesce={"join_timeout_ms": 50},
@@ -816,7 +824,7 @@ async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_
     """The owner of its record took the request and died before answering: a 503 to retry, which
     says what becomes of the retry. The record lived in the dead worker's memory only, so the
     retry, on the worker that takes its slot, runs the request (it said "not run twice")."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[fake.url])
     taken = asyncio.Event()
 
@@ -861,7 +869,7 @@ async def test_a_worker_without_a_slot_asks_the_owners_until_one_frees_then_owns
     nothing, for good: a key's call, an Idempotency-Key's run once per worker). Invalidations
     reach it on its spare socket; a keyed request whose owner is down is not run there; once a
     slot frees, it takes it and owns its keys."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[fake.url], admin_token="adm")
     admin = {"authorization": "Bearer adm"}
     try:
@@ -1121,7 +1129,7 @@ async def test_a_keyed_answer_run_by_its_owner_in_front_of_the_simulator_is_labe
     stream,
 ):
     """The owner labels its answer, and the worker relaying it labelled it again: twice."""
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     config = Config(upstreams=[])  # (the embedded simulated engine)
     try:
         a, b = (build_gateway(config, peers=Peers(claim(directory, 2), config)) for _ in range(2))
@@ -1291,7 +1299,7 @@ async def test_a_peers_idle_connection_is_closed_by_its_client_before_its_server
     # 15 s: a request sent as the server closed it was never read, taken for one sent and not
     # answered (a keyed request's 503). The server keeps it ``limits.client_keepalive``, the
     # client half that.
-    directory = peers.prepare(2)
+    directory = meeting_place(2)
     door = PeerServer()
 
     async def app(scope, receive, send):
@@ -1324,7 +1332,7 @@ async def test_a_cancelled_close_of_a_worker_waiting_for_a_slot_stays_cancelled(
     # Its close cancelled the task waiting for a slot and awaited it under
     # suppress(CancelledError): a cancellation of the close itself, arriving then, was
     # swallowed with it, and the close went on as if none had come.
-    directory = peers.prepare(1)
+    directory = meeting_place(1)
     config = Config(upstreams=[fake.url])
     try:
         held = claim(directory, 1)

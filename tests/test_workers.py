@@ -95,7 +95,7 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
                 break
         assert len(workers) == 2
         # (Made there: what is looked for below is what the run leaves.)
-        assert {path.name.split("-")[1] for path in temporary.iterdir()} == {"peers", "config"}
+        assert [path.name.split("-")[1] for path in temporary.iterdir()] == ["run"]
         proc.kill()
         proc.wait(10)
         await eventually(
@@ -103,8 +103,7 @@ async def test_workers_stop_when_carpool_serve_is_killed(fake, tmp_path):
             timeout=30,
             what="the orphaned workers to stop",
         )
-        left = {*temporary.glob("carpool-peers-*"), *temporary.glob("carpool-config-*")}
-        assert left == set()  # (the config holds the run's keys)
+        assert list(temporary.glob("carpool-run-*")) == []  # (its config holds the run's keys)
     finally:
         for pid in workers:
             if _running(pid):
@@ -239,3 +238,68 @@ async def test_the_bench_against_workers_reports_the_runs_upstream_calls_not_one
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def test_a_run_killed_with_its_workers_leaves_its_keys_until_the_next_run_starts(
+    fake, tmp_path
+):
+    """Killed together (SIGKILL to the process group, an OOM kill of the cgroup), the parent
+    and its workers removed nothing: a 0600 copy of the run's keys stayed in the temporary
+    directory, one per such run, for good. The next run removes a dead run's directory."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    env = {**serve_env(), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    proc = start_serve(args, env, tmp_path / "killed.log", own_group=True)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args[3]}") as probe:
+            await until_serving(probe, proc, tmp_path / "killed.log")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = set(temporary.iterdir())
+        assert left  # (what the killed run left: its config, its meeting place)
+        args[3] = str(free_port())
+        proc = start_serve(args, env, tmp_path / "next.log")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args[3]}") as probe:
+            await until_serving(probe, proc, tmp_path / "next.log")
+        assert left & set(temporary.iterdir()) == set()
+        proc.terminate()
+        assert proc.wait(15) == 0
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+async def test_a_sigterm_as_the_run_starts_its_workers_leaves_nothing(fake, tmp_path):
+    """A SIGTERM in the moments between the run's files being written and uvicorn's supervisor
+    taking the signals over (a service manager stopping it as it starts) killed the parent at
+    once: status -15, and the 0600 copy of the run's keys stayed. Now a stop, as later."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    env = {**serve_env(), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    proc = start_serve(args, env, tmp_path / "workers.log")
+    try:
+        await eventually(
+            lambda: any(temporary.iterdir()) or proc.poll() is not None,
+            what="the run's files",
+        )
+        proc.terminate()
+        assert proc.wait(15) == 0, (tmp_path / "workers.log").read_text()[-2000:]
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(temporary, ignore_errors=True)

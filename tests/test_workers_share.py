@@ -8,11 +8,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -98,12 +102,17 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @contextlib.asynccontextmanager
 async def workers(
-    upstream_url: str, tmp_path, settings: dict[str, Any] | None = None
+    upstream_url: str,
+    tmp_path,
+    settings: dict[str, Any] | None = None,
+    temporary: Path | None = None,
 ) -> AsyncIterator[Workers]:
     """``carpool serve --workers 2`` with ``--upstream upstream_url``; ``settings``: more
-    ``CARPOOL_*`` variables."""
+    ``CARPOOL_*`` variables; ``temporary``: its ``TMPDIR``."""
     port = free_port()
     env = serve_env({"admin_token": ADMIN_TOKEN, **(settings or {})})
+    if temporary is not None:
+        env["TMPDIR"] = str(temporary)
     log = tmp_path / "workers.log"
     proc = start_serve(
         [
@@ -275,6 +284,73 @@ async def test_a_worker_killed_fails_no_request_and_its_successor_takes_its_slot
             raise AssertionError("the killed worker was not replaced")
         # It took the dead worker's slot: the keys it owns are led there again.
         assert served.stats[pid]["peers"]["worker"] == before[victim]["peers"]["worker"]
+
+
+@pytest.fixture
+def temporary() -> Iterator[Path]:
+    """A ``TMPDIR`` of the test's own (other runs write theirs meanwhile, pytest -n), short
+    enough for the workers' Unix sockets to be made in it."""
+    made = Path(tempfile.mkdtemp(prefix="cp-"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def clean_as_tmpfiles_does(top: Path) -> None:
+    """What an age-based cleaner of the temporary directory removes of a run old enough
+    (systemd-tmpfiles' ``q /tmp 1777 root root 10d``, every file here past its age): every
+    file but the sockets in use, but for a directory it cannot lock, which it skips whole."""
+    for entry in top.iterdir():
+        if entry.is_symlink() or not entry.is_dir():
+            if not entry.is_socket():
+                entry.unlink()
+            continue
+        fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            clean_as_tmpfiles_does(entry)
+        except BlockingIOError:
+            pass  # (in use: skipped)
+        finally:
+            os.close(fd)
+
+
+async def test_a_worker_killed_after_a_tmp_cleaner_ran_is_replaced_and_the_run_stops_cleanly(
+    fake, tmp_path, temporary
+):
+    """An age-based cleaner of the temporary directory deleted a long run's resolved config,
+    secret and slot locks, which every worker reads as it starts: a worker that died then was
+    never replaced (ConfigError, retried for ever), and at SIGTERM the parent's cleanup raised
+    FileNotFoundError (status 1). The run's files are in one directory the run locks."""
+    async with workers(fake.url, tmp_path, temporary=temporary) as served:
+        clean_as_tmpfiles_does(temporary)
+        victim = min(served.stats)
+        os.kill(victim, signal.SIGKILL)
+        # A new worker serves, in the dead one's slot (it read the config, the secret, its lock),
+        await served.until_serving(2, [0, 1], gone={victim})
+        answered = await served.spread(
+            lambda client: client.post("/v1/chat/completions", json=chat(QUESTIONS[0]))
+        )
+        assert {response.status_code for response, _ in answered} == {200}
+        assert fake.count() == 1  # and shares with the other: one upstream call for the key
+        served.proc.terminate()
+        assert served.proc.wait(15) == 0
+    assert list(temporary.iterdir()) == []
+
+
+async def test_a_run_whose_files_a_cleaner_took_despite_its_lock_stops_with_status_0(
+    fake, tmp_path, temporary
+):
+    """A cleaner that ignores locks (tmpwatch, a hand's ``rm``) took the run's files: its stop
+    at SIGTERM still ends in status 0 (the parent's cleanup raised FileNotFoundError: 1)."""
+    async with workers(fake.url, tmp_path, temporary=temporary) as served:
+        for left in temporary.iterdir():
+            if left.is_dir():
+                shutil.rmtree(left)
+            else:
+                left.unlink()
+        served.proc.terminate()
+        assert served.proc.wait(15) == 0
+    assert list(temporary.iterdir()) == []
 
 
 async def test_after_a_sighup_reload_the_new_workers_take_the_slots_and_share(fake, tmp_path):

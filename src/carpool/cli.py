@@ -20,10 +20,12 @@ its soft file descriptor limit to the hard one, and warns when that is under
 ``FILE_LIMIT_WARN`` (``_raise_file_limit``).
 
 With ``--workers N``, each worker rebuilds the config from a file the parent writes
-(``config.loader.resolved_text``, a 0600 file): the parent loads that file back as a worker
-will, before any worker starts, and exits 2 with the reason if it fails or differs from its
-own, rather than let uvicorn restart workers that cannot start, for ever. uvicorn's supervisor
-waits ``WORKER_HEALTHCHECK_S`` for a worker's start and health check (not its 5 s).
+(``config.loader.resolved_text``, a 0600 file) in the run's directory, which the parent locks
+for the run and removes when it ends, also when stopped while starting (``carpool.rundir``):
+the parent loads that file back as a worker will, before any worker starts, and exits 2 with
+the reason if it fails or differs from its own, rather than let uvicorn restart workers that
+cannot start, for ever. uvicorn's supervisor waits ``WORKER_HEALTHCHECK_S`` for a worker's
+start and health check (not its 5 s).
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ import inspect
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import click
 from yarl import URL
 
-from . import peers
+from . import peers, rundir
 from .commands.bench import bench
 from .commands.check import check_config
 from .commands.common import (
@@ -59,7 +61,7 @@ from .commands.reference import config_reference
 from .commands.semantic import eval_semantic, fetch_model
 from .commands.sim import sim
 from .config import CONFIG_FILE_VARIABLE, Config, ConfigError
-from .config.loader import PARENT_VARIABLE, load_resolved, resolved_text
+from .config.loader import PARENT_VARIABLE, RUN_VARIABLE, load_resolved, resolved_text
 from .config.urls import url_host, without_credentials
 from .extras import install_hint
 from .logs import configure as configure_logging
@@ -278,28 +280,33 @@ def serve(
     # the one built here only checked the config (and would hold the embedding model).
     asyncio.run(gateway.aclose())
     del gateway
+    # Until uvicorn's supervisor takes the signals over, a SIGTERM (a service manager stopping
+    # the run as it starts) ends the run through the stack below, the run's directory removed:
+    # by default it ended the process at once, and the copy of the keys stayed.
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
     with contextlib.ExitStack() as stack:
-        resolved = stack.enter_context(
-            tempfile.NamedTemporaryFile(
-                "w", encoding="ascii", suffix=".yaml", prefix="carpool-config-"
-            )
-        )
-        resolved.write(resolved_text(config))  # (a 0600 file: the workers' keys)
-        resolved.flush()
-        _workers_load(resolved.name, config)
+        # Everything the workers read as they start, for the whole run, in one directory that
+        # this process locks: age-based cleaners of the temporary directory skip it, and the
+        # next run removes it if this one is killed with its workers (``carpool.rundir``).
+        run = stack.enter_context(rundir.run_directory(peers.parent_directory(config.workers)))
+        resolved = run / RESOLVED_FILE
+        fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (the keys)
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.write(resolved_text(config))
+        _workers_load(str(resolved), config)
         # Without Redis the workers share through each other: each key's upstream calls are
-        # made by the worker that owns it, reached on a unix socket in a directory only this
-        # user can open, with a secret of this run (``carpool.peers``).
-        meeting = None if config.redis else peers.prepare(config.workers)
-        if meeting is not None:
-            stack.callback(peers.remove, meeting)
-            os.environ[peers.PEERS_VARIABLE] = str(meeting)
+        # made by the worker that owns it, reached on a unix socket in the run's directory,
+        # which only this user can open, with a secret of this run (``carpool.peers``).
+        if not config.redis:
+            peers.prepare(run)
+            os.environ[peers.PEERS_VARIABLE] = str(run)
             log.info(
                 "%d workers share their flights without Redis: each key is led by one of them "
                 "(caches and semantic entries stay per worker; /metrics sums them all)",
                 config.workers,
             )
-        os.environ[CONFIG_FILE_VARIABLE] = resolved.name
+        os.environ[CONFIG_FILE_VARIABLE] = str(resolved)
+        os.environ[RUN_VARIABLE] = str(run)  # (its workers remove it if this process is killed)
         os.environ[PARENT_VARIABLE] = str(os.getpid())  # (its workers stop when it is gone)
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
             # uvicorn's 5 s: a worker starting (carpool loaded, with the embedding model, on a
@@ -311,6 +318,15 @@ def serve(
             "carpool.server:create_worker_app", factory=True, workers=config.workers, **served
         )
         _supervise_workers(server_config, listening)
+
+
+# The resolved config's name in the run's directory (``serve --workers``).
+RESOLVED_FILE = "config.yaml"
+
+
+def _stopped_while_starting(signum: int, frame: Any) -> None:
+    """SIGTERM before the workers' supervisor handles it: a stop, as after (status 0)."""
+    raise SystemExit(0)
 
 
 # How long uvicorn's supervisor waits for a worker to start, or to answer its health check,

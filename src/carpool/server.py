@@ -131,6 +131,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -152,7 +153,7 @@ from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH, Api, api_at
 from .auth import ClientKeys, presents
-from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, load_resolved
+from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, RUN_VARIABLE, load_resolved
 from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
@@ -170,7 +171,7 @@ from .metrics import COUNTED, COUNTED_ELSEWHERE, Counted
 from .openapi import document as openapi_document
 from .outcome import Outcome
 from .paths import confine
-from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting, remove
+from .peers import PEER, PEERS_VARIABLE, Peers, claim, meeting
 from .peers.metrics import merge, run_totals
 from .pipeline import Gateway, Reply
 from .reply import SLICE_BYTES, refusal
@@ -922,7 +923,7 @@ def create_app(gateway: Gateway | None = None) -> GatewayApp:
 
 def create_worker_app() -> GatewayApp:
     """The app of one worker process (``carpool serve --workers N``): its own gateway, built from
-    the config file the parent wrote (``CARPOOL_CONFIG``); it stops once that parent is gone
+    the config file the parent wrote in the run's directory (``CARPOOL_CONFIG``); it stops once that parent is gone
     (``_leave_with_parent``). Without ``redis``, the worker takes
     a slot among its peers (``carpool.peers``, in the directory ``CARPOOL_PEERS`` names), or,
     every slot held, asks their owners until one frees (``Peers``). The file is the config
@@ -954,23 +955,20 @@ def _leave_with_parent(parent: str | None) -> None:
     started it is gone (``parent``, its pid; another parent pid then: init's or a subreaper's).
     Killed (SIGKILL, the OOM killer), the parent could not stop its workers: they served the
     port on, orphans, and the next ``carpool serve`` on it found it in use. Nor could it remove
-    what it left in the temporary directory for them, which they do: the resolved config (a
-    0600 file with the run's keys) and the peers' meeting place (each worker, whichever first)."""
+    the run's directory it left for them in the temporary directory (``carpool.rundir``: the
+    resolved config, a 0600 file with the run's keys, and the peers' meeting place), which they
+    do (each worker, whichever first)."""
     if not parent or not parent.isdigit():
         return
     expected = int(parent)
-    config_file = os.environ.get(CONFIG_FILE_VARIABLE)
-    place = os.environ.get(PEERS_VARIABLE)
+    run = os.environ.get(RUN_VARIABLE)
 
     def watch() -> None:
         while os.getppid() == expected:
             time.sleep(PARENT_POLL_S)
         log.warning("carpool serve (pid %d) is gone: this worker stops", expected)
-        if config_file:
-            with contextlib.suppress(OSError):
-                os.remove(config_file)
-        if place:
-            remove(Path(place))
+        if run:
+            shutil.rmtree(run, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="carpool-parent-watch", daemon=True).start()

@@ -34,11 +34,16 @@ def free_port() -> int:
 
 
 def start_serve(
-    args: list[str], env: dict[str, str], log: Path, skew_s: float | Path = 0
+    args: list[str],
+    env: dict[str, str],
+    log: Path,
+    skew_s: float | Path = 0,
+    own_group: bool = False,
 ) -> subprocess.Popen[bytes]:
     """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``;
     ``skew_s``: its wall clock that many seconds off the system's, or a file holding them,
-    written again to step it (``skewed_serve.py``)."""
+    written again to step it (``skewed_serve.py``); ``own_group``: in a process group of its
+    own, its workers with it (``os.killpg(proc.pid, ...)`` signals them all at once)."""
     command = [sys.executable, "-m", "carpool.cli", "serve", *args]
     if skew_s:
         command[1:3] = [str(Path(__file__).with_name("skewed_serve.py"))]
@@ -50,6 +55,7 @@ def start_serve(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=own_group,
         )
 
 

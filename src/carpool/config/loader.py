@@ -12,8 +12,8 @@ Contract:
   with ``__``: ``CARPOOL_CACHE__MAX_BYTES=1000``, ``CARPOOL_CACHE__TYPES__FAQ__TTL=5``. A section
   or a list can also be given whole (``CARPOOL_UPSTREAMS='[http://a:8000/v1, http://b:8000/v1]'``,
   ``CARPOOL_CACHE='{max_bytes: 1000}'``); the nested variables of that section apply over it.
-  ``CARPOOL_CONFIG`` names the file (the CLI reads it) and ``CARPOOL_PEERS`` the workers'
-  directory (``carpool serve`` sets it), ``CARPOOL_REDIS_SERVER`` the server binary
+  ``CARPOOL_CONFIG`` names the file (the CLI reads it), ``CARPOOL_RUN`` and ``CARPOOL_PEERS``
+  the workers' directory (``carpool serve`` sets them), ``CARPOOL_REDIS_SERVER`` the server binary
   ``carpool bench`` starts; they are not keys.
 - A value is the string as written, read by its key's type (``8080``, ``1.5``, ``yes``); a
   list or mapping (``[a, b]``, ``{k: v}``) given to a key that holds one (a section, a mapping,
@@ -78,12 +78,17 @@ ENV_PREFIX = "CARPOOL_"
 CONFIG_FILE_VARIABLE = "CARPOOL_CONFIG"
 # Names the workers' meeting place (``carpool.peers.slots``), set by ``carpool serve``: not a key.
 PEERS_VARIABLE = "CARPOOL_PEERS"
+# Names the run's private directory (``carpool.rundir``), set by ``carpool serve --workers N``
+# for its workers: not a key.
+RUN_VARIABLE = "CARPOOL_RUN"
 # The pid of ``carpool serve --workers N``'s parent, set for its workers (``server``): not a key.
 PARENT_VARIABLE = "CARPOOL_PARENT"
 # The Redis/Valkey server binary that `carpool bench` and the tests start (``bench.redis_server``):
 # not a key (set in a shell, every other command refused to start).
 REDIS_SERVER_VARIABLE = "CARPOOL_REDIS_SERVER"
-NOT_KEYS = frozenset({CONFIG_FILE_VARIABLE, PEERS_VARIABLE, PARENT_VARIABLE, REDIS_SERVER_VARIABLE})
+NOT_KEYS = frozenset(
+    {CONFIG_FILE_VARIABLE, PEERS_VARIABLE, RUN_VARIABLE, PARENT_VARIABLE, REDIS_SERVER_VARIABLE}
+)
 NESTED_DELIMITER = "__"
 
 

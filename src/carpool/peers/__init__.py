@@ -3,7 +3,7 @@ owner worker, which makes its upstream calls for all of them.
 
 Without ``redis``, each worker has its own exact cache, flights and idempotency records. So that
 identical requests arriving at different workers still make one upstream call per key:
-- Each worker claims a slot 0..N-1 in a private directory the parent made (``slots.py``) and
+- Each worker claims a slot 0..N-1 in the run's private directory (``slots.py``) and
   serves its own gateway to the others on its slot's unix socket (``server.py``).
 - The owner of a fingerprint is BLAKE2b(key) mod N (``Peers.owner_of``). A worker about to call
   the upstream for a key it does not own asks the owner instead (``Exchange.fetch``): the
@@ -29,7 +29,16 @@ identical requests arriving at different workers still make one upstream call pe
 
 from ..config.loader import PEERS_VARIABLE
 from .server import PEER, PEER_HEADER, PeerApp
-from .slots import Meeting, Slot, claim, meeting, prepare, remove, socket_path
+from .slots import (
+    Meeting,
+    Slot,
+    claim,
+    meeting,
+    parent_directory,
+    prepare,
+    remove,
+    socket_path,
+)
 from .workers import Peers
 
 __all__ = [
@@ -42,6 +51,7 @@ __all__ = [
     "Slot",
     "claim",
     "meeting",
+    "parent_directory",
     "prepare",
     "remove",
     "socket_path",

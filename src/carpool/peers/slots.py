@@ -1,11 +1,12 @@
 """The workers' meeting place: a private directory, one slot per worker, a secret per run.
 
 Contract:
-- ``prepare(count)`` (the parent, ``carpool serve --workers N``): a new directory, readable by
-  this user only (0700), holding the run's secret (``secret``, 0600, random): its path goes to
-  the workers in ``CARPOOL_PEERS`` (``config.loader.PEERS_VARIABLE``). ``remove`` deletes it when the parent exits.
-  It is made in the temporary directory (``TMPDIR``), or in ``/tmp`` when a socket's path there
-  would be longer than a Unix socket's may be (``MAX_SOCKET_PATH``: 107 bytes on Linux).
+- ``prepare(directory)`` (the parent, ``carpool serve --workers N`` without Redis): writes the
+  run's secret (``secret``, 0600, random) into the run's directory (``carpool.rundir``: 0700,
+  locked for the run, removed when it ends), whose path goes to the workers in
+  ``CARPOOL_PEERS`` (``config.loader.PEERS_VARIABLE``). ``parent_directory(count)`` is where
+  that directory goes: the temporary directory (``TMPDIR``), or ``/tmp`` when a socket's path
+  there would be longer than a Unix socket's may be (``MAX_SOCKET_PATH``: 107 bytes on Linux).
 - ``claim(directory, count)`` (each worker, as it starts, and a worker without a slot until it
   has one): the first free index 0..N-1, held by an exclusive ``flock`` on ``peer-<i>.lock``
   for the process's life. The kernel releases the lock of a process that dies, however it
@@ -32,8 +33,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..rundir import PREFIX as RUN_PREFIX
+
 SECRET_FILE = "secret"
-PREFIX = "carpool-peers-"
 SPARE_PREFIX = "spare-"
 SPARE_NAME = 16  # hex digits of a spare socket's random name
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (Linux's sun_path, less its NUL)
@@ -63,22 +65,19 @@ class Slot:
         return socket_path(self.directory, index)
 
 
-def prepare(count: int) -> Path:
-    """A private directory for ``count`` workers, with a new secret in it."""
-    directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=_parent(count)))  # (mkdtemp: 0700)
-    secret = directory / SECRET_FILE
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def prepare(directory: Path) -> None:
+    """The run's ``directory`` made a meeting place: a new secret in it."""
+    fd = os.open(directory / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(secrets.token_urlsafe(32))
-    return directory
 
 
-def _parent(count: int) -> str:
-    """Where the directory goes: the temporary directory if the last worker's socket path fits
-    in a Unix socket's (mkdtemp adds 8 characters to the prefix), else ``/tmp``."""
+def parent_directory(count: int) -> str:
+    """Where the run's directory goes: the temporary directory if the last worker's socket path
+    fits in a Unix socket's (mkdtemp adds 8 characters to the prefix), else ``/tmp``."""
     parent = tempfile.gettempdir()
     name = max(f"peer-{count - 1}.sock", SPARE_PREFIX + "x" * SPARE_NAME + ".sock", key=len)
-    longest = os.path.join(parent, PREFIX + "x" * 8, name)
+    longest = os.path.join(parent, RUN_PREFIX + "x" * 8, name)
     if len(os.fsencode(longest)) > MAX_SOCKET_PATH and os.path.isdir("/tmp"):
         return "/tmp"
     return parent
