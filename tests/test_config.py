@@ -113,6 +113,32 @@ def test_a_back_off_maximum_alone_below_the_default_back_off_is_accepted_and_bou
     assert config.routing.backoff_max_s == 2 and config.routing.backoff_s == 5
 
 
+@pytest.mark.parametrize(
+    "limits, coalesce",
+    [
+        ({"upstream_queue_timeout": 15}, {}),  # twice 15 s: the default join timeout, 30 s
+        ({"upstream_queue_timeout": 4}, {"join_timeout_ms": 5000}),
+    ],
+)
+def test_a_queue_timeout_that_with_its_failover_could_outlast_the_join_timeout_is_refused(
+    limits, coalesce
+):
+    # A flight's call may wait for a connection twice (its replica's, then another's): past
+    # the join timeout its joiners would each have made their own call, queued as long again.
+    with pytest.raises(ConfigError) as raised:
+        Config.load(env={}, overrides={"limits": limits, "coalesce": coalesce})
+    assert "limits.upstream_queue_timeout" in str(raised.value)
+    assert "coalesce.join_timeout_ms" in str(raised.value)
+
+
+def test_a_join_timeout_alone_below_twice_the_default_queue_timeout_holds_it_under_half():
+    # As max_window_ms alone: such a config was accepted before the check; the default queue
+    # timeout (10 s) follows it, a third of it.
+    config = Config.load(env={}, overrides={"coalesce": {"join_timeout_ms": 6000}})
+    assert config.limits.upstream_queue_timeout == 2
+    assert Config.load(env={}).limits.upstream_queue_timeout == 10
+
+
 def test_a_request_types_policy_applies_whatever_the_case_of_its_key():
     # A request's type is read lower-cased (x-carpool-type: Realtime is realtime): a key given
     # as Realtime must be that type's policy, not one that never applies.

@@ -13,6 +13,7 @@ import subprocess
 import httpx
 import pytest
 
+from carpool import errors
 from conftest import redis_keys, redis_settings, run_gateway
 from fakes.instances import free_port, instances, serve_env, start_serve
 from fakes.waiting import WAIT_S, eventually
@@ -1522,6 +1523,36 @@ def test_an_answer_record_of_an_older_instance_without_the_linger_field_lingers_
     assert lingers(meta) and not lingers(orjson.loads(answer_record(answer, False)["m"]))
     del meta["l"]  # (as an instance before the field wrote it)
     assert lingers(meta)
+
+
+def _upstream_errors(kind: type) -> list[type]:
+    return [kind] + [sub for each in kind.__subclasses__() for sub in _upstream_errors(each)]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        kind
+        for kind in _upstream_errors(errors.UpstreamError)
+        # (A status error has a record of its own; ``LeaderLost`` is made where a relay of
+        # another instance's call was lost, never a leader's error.)
+        if kind.__module__ == errors.__name__
+        and kind not in (errors.UpstreamStatusError, errors.LeaderLost)
+    ],
+    ids=lambda kind: kind.__name__,
+)
+def test_a_leaders_error_reaches_a_follower_on_another_instance_as_the_same_error(kind):
+    """Rebuilt as a plain ``UpstreamError``, a busy replica's 503 (``UpstreamBusy``) lost its
+    ``Retry-After``, a stalled stream's 504 its ``x-should-retry: false``."""
+    import orjson
+
+    from carpool.redis.flight_protocol import error_from, error_record
+
+    original = kind("what the leader was told")
+    followed = error_from(orjson.loads(error_record(original)["m"]), b"")
+    assert type(followed) is kind
+    assert (followed.status, followed.code) == (original.status, original.code)
+    assert followed.headers() == original.headers()
 
 
 async def test_without_stream_usage_a_call_asked_without_usage_is_shared_elsewhere_only_by_its_shape(

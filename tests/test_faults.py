@@ -652,6 +652,38 @@ async def test_a_call_its_busy_replica_could_not_take_in_time_is_tried_on_anothe
         assert fake.count() == 2
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_every_client_of_a_flight_its_busy_replicas_could_not_take_gets_its_one_503(
+    fake, gateway_with, replicas
+):
+    """A flight's call waits for a connection ``limits.upstream_queue_timeout`` on its replica,
+    and as long again on another one (its one failover). Its joiners wait
+    ``coalesce.join_timeout_ms`` for it: past that each made its own call, which queued as long
+    again (with the defaults, both 30 s: the leader and a stream got their 503 at 30 s, two
+    joiners at 60 s). The default queue timeout is held under half the join timeout, so every
+    client of the flight, the streaming one included, gets the flight's one 503: one attempt
+    per replica counted in ``overloaded``, nothing of it sent upstream."""
+    limits = {"upstream_max_connections": 1}  # (the queue timeout: its default)
+    coalesce = {"join_timeout_ms": 3000}
+    upstreams = [fake.url] * replicas
+    async with gateway_with(upstreams=upstreams, limits=limits, coalesce=coalesce) as gw:
+        fake.chunk_gate = asyncio.Event()  # long streams hold each replica's one connection
+        holders = [asyncio.create_task(gw.stream_chat(f"long {i}")) for i in range(replicas)]
+        await fake.wait_for_calls(replicas)
+        before = gw.gateway.stats.overloaded()
+        async with asyncio.timeout(WAIT_S):  # (a bound on the test, not a timing it checks)
+            refused = await asyncio.gather(
+                gw.chat("same"), gw.chat("same"), gw.chat("same"), gw.stream_chat("same")
+            )
+        responses = [r[0] if isinstance(r, tuple) else r for r in refused]
+        assert [r.status_code for r in responses] == [503] * 4, responses[0].text
+        assert {error_of(r)["code"] for r in responses} == {"gateway_overloaded"}
+        assert gw.gateway.stats.overloaded() == before + replicas  # (the flight's one call)
+        assert fake.count() == replicas  # (the long streams': nothing of "same" was sent)
+        fake.chunk_gate.set()
+        assert [(await holder)[0].status_code for holder in holders] == [200] * replicas
+
+
 async def test_a_pass_through_call_to_an_unreachable_upstream_is_502_in_openais_shape(gateway_with):
     async with gateway_with(upstreams=[f"http://127.0.0.1:{closed_port()}/v1"]) as gw:
         response = await gw.client.get("/v1/models")

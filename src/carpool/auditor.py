@@ -19,8 +19,9 @@ Contract (the estimate and the budget are ``semantic/audit.py``'s):
   answer, a flight that failed or a judge without a verdict counts nothing (``Audits.failed``).
   Only deterministic requests are audited (two samples may differ), and at most
   ``MAX_RUNNING`` audits run at once, of them at most ``MAX_RUNNING_PER_BUDGET`` of one
-  budget (a draw beyond either is skipped: one budget's slow audits leave room for the others'
-  draws). Returns whether an audit
+  budget and ``MAX_RUNNING_PER_TENANT`` of one tenant, whatever namespaces it names (a draw
+  beyond any is skipped: one budget's slow audits leave room for the others' draws, one
+  tenant's for other tenants'). Returns whether an audit
   began: a match served whose audit asks the upstream is no answer the engine did not compute
   (its tokens are not in ``tokens_saved``).
 - ``feedback(public_id)``: a client's or operator's report that the semantic hit it got
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import orjson
 
@@ -53,11 +54,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("carpool.semantic")
 
+_K = TypeVar("_K")
+
 MAX_RUNNING = 64  # audits in flight at once: each is an upstream call
 # Of them, one budget's at most: a tenant whose engine answers its hits slowly would otherwise
 # hold every place, and the hits of every other budget drawn meanwhile would be skipped (their
 # budgets never audited, never backing off). A quarter: a budget alone still gets most of them.
 MAX_RUNNING_PER_BUDGET = MAX_RUNNING // 4
+# And of one tenant, whatever its namespaces: a budget's namespace is the client's to name
+# (x-carpool-namespace), so a tenant spreading its slow hits over four held every place again.
+# A half: its own namespaces still share more than one budget's share.
+MAX_RUNNING_PER_TENANT = MAX_RUNNING // 2
 
 
 class Auditor:
@@ -67,6 +74,7 @@ class Auditor:
         self.layers = layers
         self._running = Background("audit", log)  # (an audit's own failure is counted, not raised)
         self._per_budget: dict[Budget, int] = {}  # the audits running, by budget (none: absent)
+        self._per_tenant: dict[str, int] = {}  # and by tenant, its namespaces together
         self._strict: RulesThenVerifier | None = None
 
     def maybe(
@@ -83,20 +91,19 @@ class Auditor:
             audits is None
             or len(self._running) >= MAX_RUNNING
             or self._per_budget.get(budget, 0) >= MAX_RUNNING_PER_BUDGET
+            or self._per_tenant.get(budget.tenant, 0) >= MAX_RUNNING_PER_TENANT
             or not audits.sampled()
         ):
             return False
         task = self._running.spawn(self._audit(request, budget, match, view, near, flight))
-        self._per_budget[budget] = self._per_budget.get(budget, 0) + 1
+        _count(self._per_budget, budget, 1)
+        _count(self._per_tenant, budget.tenant, 1)
         task.add_done_callback(lambda _: self._ended(budget))
         return True
 
     def _ended(self, budget: Budget) -> None:
-        left = self._per_budget[budget] - 1
-        if left:
-            self._per_budget[budget] = left
-        else:
-            del self._per_budget[budget]  # (budgets are many: only those running are held)
+        _count(self._per_budget, budget, -1)
+        _count(self._per_tenant, budget.tenant, -1)
 
     async def _audit(
         self,
@@ -202,3 +209,13 @@ def _text(body: bytes) -> str:
         return answer_text(orjson.loads(body))
     except orjson.JSONDecodeError:
         return body.decode("utf-8", "replace")
+
+
+def _count(running: dict[_K, int], key: _K, change: int) -> None:
+    """``running[key]`` changed by ``change``; a key none runs for is dropped (budgets and
+    tenants are many: only those with an audit running are held)."""
+    left = running.get(key, 0) + change
+    if left:
+        running[key] = left
+    else:
+        del running[key]

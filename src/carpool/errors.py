@@ -24,7 +24,9 @@ exception repr, no address or URL, no credential. An upstream is called by its p
     ├── UpstreamError                 the upstream call did not produce an answer
     │   ├── UpstreamUnreachable       502: connection refused / reset / DNS
     │   ├── GatewayOverloaded         503: this machine could not open a connection (no file
-    │   │                             descriptor, no local port): no verdict on the replica
+    │   │   │                         descriptor, no local port): no verdict on the replica
+    │   │   └── UpstreamBusy          503: every connection to the replica held past
+    │   │                             ``limits.upstream_queue_timeout`` (tried once elsewhere)
     │   ├── UpstreamTimeout           504: no answer within ``limits.upstream_timeout``
     │   │   └── UpstreamNoAnswer      504: sent whole, and no answer in time (not run elsewhere;
     │   │                             502 when the connection dropped unanswered, or the

@@ -811,3 +811,39 @@ async def test_texts_the_embedder_fails_while_it_answers_its_own_never_open_the_
         assert embedder.breaker.retry_at is None and embedder.breaker.failures == 0
     checks = [c for c in fake.calls if c == [upstream.CHECK_TEXT]]
     assert len(checks) == 3  # (one per three failures in a row)
+
+
+async def test_a_check_that_fails_after_a_client_embedding_succeeded_meanwhile_leaves_it_closed():
+    # The check failed (a blip) while another caller's text was embedded: that success reset
+    # the failures in a row to 0, and the failed check opened the breaker anyway ("failed 0
+    # embeddings in a row"), every lookup skipping an embedder that answers. It opens only if
+    # the failures in a row still call for it as the check ends.
+    from carpool.errors import UpstreamStatusError, UpstreamUnreachable
+    from carpool.semantic.embed import upstream
+
+    fake = FakeEmbeddings()
+    check_sent, check_fails = asyncio.Event(), asyncio.Event()
+
+    async def call(texts: list[str]) -> list[list[float]]:
+        if texts == [upstream.CHECK_TEXT]:
+            fake.calls.append(list(texts))
+            check_sent.set()
+            await check_fails.wait()
+            raise UpstreamUnreachable("a blip")
+        if texts[0].startswith("failed"):
+            fake.calls.append(list(texts))
+            raise UpstreamStatusError(500, b"{}")
+        return await fake(texts)
+
+    embedder = UpstreamEmbedder(call, dim=8, max_batch=1, max_delay_s=0)
+    for n in range(upstream.FAILURES_TO_OPEN):
+        with pytest.raises(UpstreamStatusError):
+            await embedder.embed(f"failed {n}")
+    checking = asyncio.create_task(embedder.embed("checks first"))
+    await check_sent.wait()
+    assert (await embedder.embed("another's, meanwhile")).shape == (8,)
+    assert embedder.breaker.failures == 0
+    check_fails.set()
+    assert (await checking).shape == (8,)  # (it answers: the checker's own text embedded)
+    assert embedder.breaker.retry_at is None  # (closed: it answered a client meanwhile)
+    assert (await embedder.embed("next")).shape == (8,)

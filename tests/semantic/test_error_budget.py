@@ -13,7 +13,11 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("usearch")
 
-from carpool.auditor import MAX_RUNNING, MAX_RUNNING_PER_BUDGET  # noqa: E402
+from carpool.auditor import (  # noqa: E402
+    MAX_RUNNING,
+    MAX_RUNNING_PER_BUDGET,
+    MAX_RUNNING_PER_TENANT,
+)
 from carpool.canonical import requester  # noqa: E402
 from carpool.identity import ANONYMOUS_TENANT  # noqa: E402
 from carpool.semantic.audit import MIN_AUDITS, Budget  # noqa: E402
@@ -257,6 +261,41 @@ async def test_one_budgets_slow_audits_leave_room_for_another_budgets(fake, gate
         report = audits.snapshot()
         assert report.get("other", {}).get("audited") == 1, report  # its audit was not skipped
         assert report["slow"]["audited"] == MAX_RUNNING_PER_BUDGET  # the rest skipped
+
+
+async def test_one_tenants_slow_audits_over_namespaces_it_names_leave_room_for_another_tenant(
+    fake, gateway_with
+):
+    # Capped per budget (tenant and namespace) alone, a tenant whose engine answers slowly held
+    # every place by spreading its hits over the namespaces it names (x-carpool-namespace):
+    # 4 x MAX_RUNNING_PER_BUDGET, and another tenant's hits drawn meanwhile were skipped. A
+    # tenant now holds at most MAX_RUNNING_PER_TENANT of them, whatever its namespaces.
+    namespaces = [f"slow {n}" for n in range(MAX_RUNNING // MAX_RUNNING_PER_BUDGET)]
+    slow, other = "Bearer key-of-the-slow-tenant", "Bearer key-of-another-tenant"
+
+    async def ask_as(key: str, content: str, namespace: str = "") -> str:
+        headers = {"authorization": key, "x-carpool-namespace": namespace}
+        body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        response = await gw.client.post("/v1/chat/completions", headers=headers, json=body)
+        assert response.status_code == 200, response.text
+        return outcome(response)
+
+    async with gateway_with(**semantic(audit_rate=1.0)) as gw:
+        audits = gw.gateway.layers.audits
+        for namespace in namespaces:
+            await ask_as(slow, ROUTER, namespace)
+        await ask_as(other, ROUTER)
+        fake.gate = asyncio.Event()  # every audit's upstream call is held: a slow engine
+        for namespace in namespaces:
+            for _ in range(MAX_RUNNING_PER_BUDGET):  # (each hit drawn, its audit begun or not)
+                assert await ask_as(slow, PARAPHRASES[0], namespace) == "semantic-hit"
+        assert await ask_as(other, PARAPHRASES[0]) == "semantic-hit"
+        fake.gate.set()
+        await gw.gateway.auditor.settle()
+        report = audits.snapshot()
+        assert report.get("", {}).get("audited") == 1, report  # its audit was not skipped
+        slow_audits = sum(report.get(namespace, {}).get("audited", 0) for namespace in namespaces)
+        assert slow_audits == MAX_RUNNING_PER_TENANT  # the rest skipped
 
 
 async def test_an_audited_semantic_hits_tokens_are_not_counted_saved(fake, gateway_with):

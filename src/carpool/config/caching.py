@@ -173,7 +173,8 @@ class CoalesceConfig(Section):
         description="Milliseconds a joiner waits for "
         "the flight's first output (its first streamed chunk, or its "
         "whole answer) before it runs its own upstream call; the time the flight's call "
-        "waits for a connection to its replica (limits.upstream_max_connections) counts too. "
+        "waits for a connection to its replica (limits.upstream_max_connections) counts too "
+        "(twice limits.upstream_queue_timeout must stay under it). "
         "Also the longest a retry with an "
         "Idempotency-Key waits for the first request's answer (idempotency.on_conflict: wait) "
         "before its 409.",

@@ -195,6 +195,29 @@ class Config(Section):
             self.passthrough = PassthroughConfig(allow=["/models"])
         return self
 
+    @model_validator(mode="after")
+    def _a_flights_queue_wait_ends_before_its_joiners_leave(self) -> Config:
+        """A flight's call waits ``limits.upstream_queue_timeout`` at most for a connection to
+        its replica, and as long again on another one (``ReplicaSet.send``'s one failover).
+        Its joiners wait ``coalesce.join_timeout_ms`` for it, then each makes its own call,
+        which would queue as long again: a queue timeout given that twice would reach the join
+        timeout is refused. The default alone is held to a third of a join timeout that short
+        (as ``coalesce.max_window_ms`` alone holds the window): such a config was accepted
+        before the check."""
+        join_s = self.coalesce.join_timeout_ms / 1000
+        queue_s = self.limits.upstream_queue_timeout
+        if 2 * queue_s < join_s:
+            return self
+        if "upstream_queue_timeout" in self.limits.model_fields_set:
+            raise ValueError(
+                f"limits.upstream_queue_timeout ({queue_s:g} s) may be waited twice by one call "
+                f"(once more on another replica), which reaches coalesce.join_timeout_ms "
+                f"({self.coalesce.join_timeout_ms:g}): its joiners would each make a call of "
+                "their own; give a queue timeout under half the join timeout"
+            )
+        self.limits.upstream_queue_timeout = join_s / 3
+        return self
+
     def holds_upstream_credentials(self) -> bool:
         """Whether the gateway holds a credential for its upstreams, sent in place of the
         client's: a key (``upstream.api_key`` / ``api_keys``; one the simulated engine ignores)

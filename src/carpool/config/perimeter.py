@@ -191,15 +191,17 @@ class LimitsConfig(Section):
         "process (serve --workers).",
     )
     upstream_queue_timeout: float = Field(
-        30,
+        10,
         gt=0,
         description="Seconds a cached endpoint's call may wait for a connection to its "
         "replica when all `upstream_max_connections` are in use (long streams hold theirs as "
-        "long as they run; pass-through calls wait without this bound). Past it: 503 gateway_overloaded with Retry-After, nothing sent and the replica "
-        "not counted as failing (busy, not down); a cached endpoint's call is tried once on "
-        "another replica first, if there is one. As long as a joiner waits for a flight's "
-        "first output (`coalesce.join_timeout_ms`): a wait for a connection past it would "
-        "leave the joiners to call on their own.",
+        "long as they run; pass-through calls wait without this bound). Past it: 503 "
+        "gateway_overloaded with Retry-After, nothing sent and the replica not counted as "
+        "failing (busy, not down); a cached endpoint's call is tried once on another replica "
+        "first, if there is one. Twice it (the failover's wait too) must stay under "
+        "`coalesce.join_timeout_ms`, so that the flight's joiners get its 503 rather than "
+        "each making a call of its own that waits as long again: a value given above that "
+        "is refused, the default is held to a third of a shorter join timeout.",
     )
     body_read_timeout: float = Field(
         30,

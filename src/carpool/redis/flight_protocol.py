@@ -55,12 +55,16 @@ from ..errors import (
     CarpoolError,
     GatewayOverloaded,
     UpstreamAnswerCut,
+    UpstreamBadStatus,
+    UpstreamBusy,
     UpstreamContentCoding,
     UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
+    UpstreamRedirected,
     UpstreamStatusError,
     UpstreamStreamBroken,
+    UpstreamStreamStalled,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -252,18 +256,25 @@ return 0
 """
 )
 
+# A leader's error, rebuilt by its followers as the same class (``error_from``): one missing
+# here reaches them as a plain ``UpstreamError``, without the headers its class sends
+# (``UpstreamBusy``'s ``Retry-After``, a stalled stream's ``x-should-retry: false``).
 _ERRORS: dict[str, type[UpstreamError]] = {
     cls.__name__: cls
     for cls in (
         UpstreamError,
         GatewayOverloaded,
+        UpstreamBusy,
         UpstreamUnreachable,
         UpstreamTimeout,
         UpstreamNoAnswer,
         UpstreamStreamBroken,
+        UpstreamStreamStalled,
         UpstreamAnswerCut,
         UpstreamContentCoding,
         UpstreamKeyRefused,
+        UpstreamRedirected,
+        UpstreamBadStatus,
     )
 }
 

@@ -11,8 +11,9 @@ Contract
   up behind it.
 - A breaker: ``FAILURES_TO_OPEN`` embeddings failed in a row (timed out, unreachable, a 5xx, an
   answer of the wrong shape: not a 4xx about the texts) make the next caller first ask the
-  embedder for ``CHECK_TEXT``, a text of the gateway's own, alone; only if that fails too does
-  it open, and while it is open ``embed`` raises :class:`EmbedderDown` at once, but for one
+  embedder for ``CHECK_TEXT``, a text of the gateway's own, alone; only if that fails too, and
+  no client's text was embedded while it ran (a success resets the count), does it open, and
+  while it is open ``embed`` raises :class:`EmbedderDown` at once, but for one
   caller every ``retry_s`` (1 s, doubling while it fails, up to ``RETRY_MAX_S``) that checks
   again, and goes on with its own text if the check is answered (which closes it). A text the
   embedder fails while it answers its own (an input over llama.cpp's batch size: a 500) is its
@@ -111,7 +112,9 @@ class _Breaker:
         return True
 
     def checked(self, error: BaseException | None) -> bool:
-        """The check's outcome (None: answered); returns whether the embedder answered."""
+        """The check's outcome (None: answered); returns whether the embedder answered, or
+        answered a client's text while the check ran (its failures in a row reset: a failed
+        check opens the breaker only if they still call for it)."""
         self.checking = False
         if error is None or _about_the_texts(error):  # (a 4xx: it answered)
             if self.retry_at is None and self.failures:
@@ -121,6 +124,15 @@ class _Breaker:
                     self.failures,
                 )
             self.succeeded()
+            return True
+        if self.failures < FAILURES_TO_OPEN:
+            # A client's text was embedded while the check ran (``succeeded``: no failures in a
+            # row left): the embedder answers, the check's failure was a blip of its own.
+            log.debug(
+                "the upstream embedder failed its own text (%s) but answered a client's since "
+                "the check began: not skipped",
+                error.__class__.__name__,
+            )
             return True
         if self.retry_at is None:
             log.warning(
