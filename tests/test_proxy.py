@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 from yarl import URL
 
-from carpool.upstream.proxy import Unusable, proxy_for
+from carpool.upstream.proxy import Unusable, proxy_error, proxy_for
 from conftest import run_gateway
 from fakes.proxy import HttpProxy
 from fakes.serving import serve_app
@@ -179,6 +179,75 @@ async def test_an_answer_the_proxy_marks_as_its_own_is_a_502_unreachable_not_the
     assert message == f"upstream replica-0 is unreachable (proxy answered {status})"
     assert "squid" not in response.text and fake.calls == []
     assert ready.status_code == 503
+
+
+@pytest.mark.parametrize("upstream", ["http"], indirect=True)
+@pytest.mark.parametrize(
+    ("own", "status", "said"),
+    [
+        (
+            _answer("502 Bad Gateway", "x-squid-error: ERR_ZERO_SIZE_OBJECT 0"),
+            502,
+            "took the call but gave no answer (proxy answered 502)",
+        ),
+        (
+            _answer("502 Bad Gateway", "proxy-status: p; error=connection_terminated"),
+            502,
+            "took the call but gave no answer (proxy answered 502)",
+        ),
+        (
+            _answer("504 Gateway Timeout", "x-squid-error: ERR_READ_TIMEOUT 0"),
+            504,
+            "did not answer in time (proxy answered 504)",
+        ),
+    ],
+    ids=["squid-zero-size", "connection-terminated", "squid-read-timeout"],
+)
+async def test_a_proxy_error_after_the_call_went_on_is_never_run_on_another_replica(
+    upstream: tuple[FakeUpstream, str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    own: bytes,
+    status: int,
+    said: str,
+) -> None:
+    """An error the proxy names after it sent the call on (the upstream closed, the proxy's
+    read timed out): the upstream may have run it, so a pass-through POST is not tried on the
+    other replica (run twice), as one whose connection dropped after it was written whole is
+    not. (A cached endpoint's call is judged so too: tried elsewhere only when its replica has
+    answered nothing since it was sent, taken for hung, ``routing.replicas``.)"""
+    path = "/v1/batches"
+    fake, url, port = upstream
+    async with HttpProxy({"upstream.test": port, "second.test": port}, own=own) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        second = url.replace("upstream.test", "second.test")
+        async with run_gateway([url, second]) as gw:
+            response = await gw.client.post(path, json={**CHAT, "purpose": "batch"})
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["message"].endswith(said)
+    assert len(proxy.requests) == 1, proxy.requests
+
+
+@pytest.mark.parametrize(
+    ("proxy_status", "squid", "error"),
+    [
+        ("", "", None),
+        ("p; error=destination_unavailable", "", "destination_unavailable"),
+        ('p; error="connection_refused"; details="x"', "", "connection_refused"),
+        # (The last member is the nearest proxy's: an earlier hop's error is not its own.)
+        ("origin-lb; error=http_response_timeout, fwd; received-status=504", "", None),
+        (
+            "origin-lb; received-status=503, fwd; error=destination_unavailable",
+            "",
+            "destination_unavailable",
+        ),
+        ('squid; received-status=200; details="no error=none, really"', "", None),
+        ("", "ERR_ACCESS_DENIED 0", "ERR_ACCESS_DENIED"),
+    ],
+)
+def test_what_a_proxy_says_of_an_answer_it_made_itself_is_read_from_its_last_member(
+    proxy_status: str, squid: str, error: str | None
+) -> None:
+    assert proxy_error(proxy_status, squid) == error
 
 
 @pytest.mark.parametrize("upstream", ["http"], indirect=True)

@@ -196,6 +196,7 @@ from ..errors import (
     UpstreamBadStatus,
     UpstreamBusy,
     UpstreamContentCoding,
+    UpstreamError,
     UpstreamKeyRefused,
     UpstreamNoAnswer,
     UpstreamRedirected,
@@ -217,7 +218,7 @@ from .base import (
     UpstreamResponse,
     connection_listed,
 )
-from .proxy import Proxy
+from .proxy import Proxy, proxy_error, sent_nothing
 
 # Response headers not relayed by pass-through: the chunked framing (the ASGI server frames a
 # body of unknown length itself) and the other hop-by-hop ones (RFC 9110 7.6.1, and RFC 2616
@@ -431,11 +432,6 @@ class _Connector(aiohttp.TCPConnector):
                 return await super()._create_connection(req, traces, timeout)
         except TimeoutError as exc:
             raise aiohttp.ConnectionTimeoutError("connection timed out") from exc
-
-
-def _by_proxy(headers: Mapping[str, str]) -> bool:
-    """Whether a proxy marked this answer as its own (``wire.Answer.by_proxy``'s fields)."""
-    return "x-squid-error" in headers or "error=" in headers.get("proxy-status", "")
 
 
 def reason(error: BaseException) -> str:
@@ -672,9 +668,11 @@ class HttpUpstream:
             said = "proxy: " + exc.reason if self._forwarded else exc.reason
             raise UpstreamUnreachable(f"upstream {self.label} is unreachable ({said})") from exc
         status, content_type = answer.status, answer.content_type
-        if self._forwarded and (status == 407 or answer.by_proxy):
-            answer.discard()
-            raise self._proxy_refused(status)
+        if self._forwarded:
+            error = proxy_error(answer.proxy_status, answer.squid_error)
+            if status == 407 or error is not None:
+                answer.discard()
+                raise self._proxy_failed(status, error)
         if self._held and status in (401, 403):
             # The upstream refused the call made with the gateway's own key: its answer may
             # quote part of the key or name the account, and the client's key is not the one
@@ -769,12 +767,20 @@ class HttpUpstream:
             f" although asked for identity, {why}"
         )
 
-    def _proxy_refused(self, status: int) -> UpstreamUnreachable:
-        """The proxy refused to take the call on, or could not (its 407; an answer it marked
-        as its own, ``wire.Answer.by_proxy``; any answer to CONNECT but a 2xx): nothing reached
-        the replica, as when its connection is refused."""
-        return UpstreamUnreachable(
-            f"upstream {self.label} is unreachable (proxy answered {status})"
+    def _proxy_failed(self, status: int, error: str | None) -> UpstreamError:
+        """An answer the proxy made itself (its 407; an answer to CONNECT but a 2xx; one it
+        names an ``error`` for: ``upstream.proxy.proxy_error``). Unreachable (another replica
+        may be tried) when the call cannot have reached the replica: a refusal, or an error
+        the proxy names before sending (``sent_nothing``); else the replica may have taken it
+        (the proxy's read timed out, the replica closed), and it is never run again elsewhere:
+        ``UpstreamNoAnswer``, as when the connection drops after the call was written whole."""
+        said = f"proxy answered {status}"
+        if status == 407 or error is None or sent_nothing(error):
+            return UpstreamUnreachable(f"upstream {self.label} is unreachable ({said})")
+        if "timeout" in error.lower():
+            return UpstreamNoAnswer(f"upstream {self.label} did not answer in time ({said})")
+        return UpstreamNoAnswer(
+            f"upstream {self.label} took the call but gave no answer ({said})", dropped=True
         )
 
     def _mid_answer(self, error: wire.WireError) -> UpstreamAnswerCut:
@@ -819,16 +825,23 @@ class HttpUpstream:
                 proxy_headers=proxy_headers,
             )
         except aiohttp.ClientHttpProxyError as exc:  # (CONNECT refused)
-            raise self._proxy_refused(exc.status) from exc
+            raise self._proxy_failed(exc.status, None) from exc
         except _NOT_CONNECTED as exc:
             local = wire.local_reason(getattr(exc, "os_error", None))
             if local is not None:  # (this machine's want, as for ``send``)
                 raise overloaded(self.label, local) from exc
             # (A connect timeout is a ``ServerTimeoutError`` too.) Nothing was sent: unreachable,
             # as for ``send``, and the routing may try the call on another replica.
-            raise UpstreamUnreachable(
-                f"upstream {self.label} is unreachable ({reason(exc)})"
-            ) from exc
+            said = reason(exc)
+            if (
+                self.proxy is not None
+                and not said.startswith("proxy")
+                and (self._forwarded or isinstance(exc, aiohttp.ClientConnectorDNSError))
+            ):
+                # The proxy's connection (an http replica's only one; a name aiohttp resolves
+                # only for the proxy): its fault, said so, as ``send`` says it.
+                said = "proxy: " + said
+            raise UpstreamUnreachable(f"upstream {self.label} is unreachable ({said})") from exc
         except _TIMEOUTS as exc:
             # Connected: the request went out (aiohttp cannot say whether whole), and the engine
             # may be running it: never tried elsewhere (the method may not be idempotent).
@@ -851,9 +864,14 @@ class HttpUpstream:
             # An answer before the body's end that refuses it, or closes, stops the body.
             closing = response.headers.get("connection", "").lower() == "close"
             heard.refused = response.status >= 400 or closing
-        if self._forwarded and (response.status == 407 or _by_proxy(response.headers)):
-            response.release()  # (as for ``send``)
-            raise self._proxy_refused(response.status)
+        if self._forwarded:  # (as for ``send``)
+            fields = response.headers
+            error = proxy_error(
+                ", ".join(fields.getall("proxy-status", ())), fields.get("x-squid-error", "")
+            )
+            if response.status == 407 or error is not None:
+                response.release()
+                raise self._proxy_failed(response.status, error)
         if self._held and response.status in (401, 403):
             # As for the cached endpoints' calls (``send``).
             response.release()

@@ -23,6 +23,13 @@ Contract:
   (``Proxy.public``: the URL without them); a proxy that refuses them is a 407 the upstream's
   callers see as "unreachable (proxy answered 407)".
 - Redis, calls between workers and ``carpool bench``'s own requests never go through a proxy.
+- An http upstream's calls go to the proxy in full, so the proxy's own answers come as the
+  upstream's would. ``proxy_error`` reads what a proxy says of one it made itself: the
+  ``error`` of the last member of RFC 9209's ``Proxy-Status`` (the proxy nearest the gateway;
+  a member without one relayed the upstream's answer), or Squid's ``X-Squid-Error`` code.
+  ``sent_nothing`` tells the errors that come before the call reached the upstream (it may be
+  tried on another replica) from those after it may have (a read timeout, a connection the
+  upstream closed: the engine may have run it, and a call is never run twice).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from yarl import URL
 
 from ..config.urls import without_credentials
 
-__all__ = ["Proxy", "Unusable", "proxy_for", "usable_proxy"]
+__all__ = ["Proxy", "Unusable", "proxy_error", "proxy_for", "sent_nothing", "usable_proxy"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +157,71 @@ def usable_proxy(url: str, setting: str = "env") -> Proxy | None:
         return proxy_for(url, setting)
     except Unusable:
         return None
+
+
+# Errors a proxy names before it sent the call on: RFC 9209's types (prefixes end in "_") and
+# Squid's codes. Any other error of the proxy's may have come after the upstream took the call.
+_SENT_NOTHING = (
+    "dns_",
+    "destination_",
+    "tls_",
+    "connection_refused",
+    "connection_timeout",
+    "connection_limit_reached",
+    "http_request_denied",
+    "http_request_error",
+    "proxy_configuration_error",
+    "proxy_loop_detected",
+    "proxy_internal_response",
+    "ERR_ACCESS_DENIED",
+    "ERR_CACHE_ACCESS_DENIED",
+    "ERR_CONNECT_FAIL",
+    "ERR_DNS_FAIL",
+    "ERR_CANNOT_FORWARD",
+    "ERR_FORWARDING_DENIED",
+    "ERR_TOO_BIG",
+    "ERR_INVALID_REQ",
+    "ERR_INVALID_URL",
+    "ERR_UNSUP_REQ",
+)
+
+
+def proxy_error(proxy_status: str, squid_error: str) -> str | None:
+    """The error a proxy gives for an answer it made itself (see the contract), or None: the
+    ``error`` parameter of the last ``Proxy-Status`` member (every line of it joined by commas),
+    else the code of ``X-Squid-Error`` ("ERR_ACCESS_DENIED 0")."""
+    if proxy_status:
+        last = _outside_quotes(proxy_status, ",")[-1]
+        for parameter in _outside_quotes(last, ";")[1:]:
+            name, _, value = parameter.partition("=")
+            if name.strip().lower() == "error":
+                return value.strip().strip('"') or None
+        return None  # (the nearest proxy relayed the answer: not its own)
+    code = squid_error.split(" ", 1)[0].strip()
+    return code or None
+
+
+def sent_nothing(error: str) -> bool:
+    """Whether a proxy's ``error`` (``proxy_error``) came before the call reached the upstream."""
+    return error.startswith(_SENT_NOTHING)
+
+
+def _outside_quotes(text: str, separator: str) -> list[str]:
+    """``text`` split at ``separator`` where it is not inside a quoted string (RFC 9651)."""
+    parts: list[str] = []
+    current: list[str] = []
+    quoted = escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\" and quoted:
+            escaped = True
+        elif char == '"':
+            quoted = not quoted
+        elif char == separator and not quoted:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    parts.append("".join(current))
+    return parts

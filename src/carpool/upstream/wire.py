@@ -71,9 +71,9 @@ Contract:
   a stream's is not read, an SSE server's default of the live feed) and its
   ``Content-Encoding`` (``content_encoding``, its lines joined so too; "" for none): the body
   is never decoded here, ``upstream.http`` judges it (asked for ``identity``, an upstream or a
-  proxy before it may compress all the same), and whether a proxy marked it as its own
-  (``by_proxy``: a ``Proxy-Status`` with an ``error``, an ``X-Squid-Error``). The rest is read
-  by no one.
+  proxy before it may compress all the same), and what a proxy says of it (``proxy_status``:
+  its ``Proxy-Status`` lines joined so too; ``squid_error``: ``X-Squid-Error``; read by
+  ``upstream.proxy.proxy_error``). The rest is read by no one.
 - Timeouts: ``connect_timeout`` seconds for a new connection (TCP and TLS): a ``WireError``
   ("connection timed out"), like a refused one, since nothing was sent; ``answer_timeout``
   seconds for the answer, counted from when its request was sent (``WireTimeout``, the
@@ -594,7 +594,8 @@ class Answer:
         "retry",
         "cache_control",
         "content_encoding",
-        "by_proxy",
+        "proxy_status",
+        "squid_error",
         "_released",
     )
 
@@ -605,7 +606,8 @@ class Answer:
         self.retry = connection.retry  # (``RETRY_FIELDS`` it said, as they came)
         self.cache_control = connection.cache_control
         self.content_encoding = connection.content_encoding  # ("" for none; never decoded here)
-        self.by_proxy = connection.by_proxy
+        self.proxy_status = connection.proxy_status
+        self.squid_error = connection.squid_error
         self._released = False
 
     async def read(self) -> bytes:
@@ -721,10 +723,8 @@ class _Tunnel(asyncio.Protocol):
             self.answered.set_exception(WireError(reason))
 
 
-# The fields by which a proxy marks an answer as its own, not the server's it was asked to reach:
-# RFC 9209's ``Proxy-Status`` with an ``error`` parameter (one it relays has none), and Squid's
-# ``X-Squid-Error`` on its error pages (``Answer.by_proxy``).
-_PROXY_ERROR_FIELDS = frozenset((b"proxy-status", b"x-squid-error"))
+# The fields in which a proxy speaks of an answer (``Answer.proxy_status``, ``squid_error``).
+_PROXY_FIELDS = frozenset((b"proxy-status", b"x-squid-error"))
 
 
 class _HeadTooLarge(Exception):
@@ -766,7 +766,8 @@ class Connection(asyncio.Protocol):
         "retry",
         "cache_control",
         "content_encoding",
-        "by_proxy",
+        "proxy_status",
+        "squid_error",
         "sized",
         "interim",
         "headed",
@@ -803,7 +804,7 @@ class Connection(asyncio.Protocol):
         self.retry: tuple[tuple[str, str], ...] = ()
         self.cache_control = ""  # (its lines joined: ``Answer.cache_control``)
         self.content_encoding = ""  # (likewise: ``Answer.content_encoding``)
-        self.by_proxy = False  # (``Answer.by_proxy``)
+        self.proxy_status = self.squid_error = ""  # (``Answer``'s: what a proxy said)
         self.sized = False  # a Content-Length or chunked: the body does not end at EOF
         self.interim = False  # a 1xx answer, before the real one
         self.headed = False
@@ -832,7 +833,7 @@ class Connection(asyncio.Protocol):
         self.head_bytes = self.field_bytes = 0
         self.status, self.content_type, self.sized, self.interim = 0, "", False, False
         self.retry, self.cache_control, self.content_encoding = (), "", ""
-        self.by_proxy = False
+        self.proxy_status = self.squid_error = ""
         # (``unasked`` too: every field of the answer is this request's. A connection that got
         # anything unasked is never reused (``reusable``), so none is reset here in practice.)
         self.headed = self.done = self.keep_alive = self.draining = self.unasked = False
@@ -1054,8 +1055,11 @@ class Connection(asyncio.Protocol):
         elif name == b"content-encoding":
             # Every line too: codings are listed in the order they were applied, over lines.
             self.content_encoding = _listed(self.content_encoding, value)
-        elif name in _PROXY_ERROR_FIELDS and (name != b"proxy-status" or b"error=" in value):
-            self.by_proxy = True
+        elif name in _PROXY_FIELDS:
+            if name == b"proxy-status":
+                self.proxy_status = _listed(self.proxy_status, value)
+            else:
+                self.squid_error = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         if self.unasked:
@@ -1080,7 +1084,7 @@ class Connection(asyncio.Protocol):
             self.interim = False
             self.content_type, self.sized, self.retry = "", False, ()
             self.cache_control = self.content_encoding = ""
-            self.by_proxy = False
+            self.proxy_status = self.squid_error = ""
             return
         self.done = True
         self.keep_alive = not self.lost and self.parser.should_keep_alive()
