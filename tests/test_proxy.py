@@ -14,6 +14,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from yarl import URL
 
@@ -63,6 +64,13 @@ async def upstream(
             port = URL(url).port
             assert port is not None
             yield fake, f"http://upstream.test:{port}/v1", port
+
+
+async def _ask(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    """A cached endpoint's call (chat) or a pass-through one (``/v1/models``), by ``path``."""
+    if path == "/v1/models":
+        return await client.get(path)
+    return await client.post(path, json=CHAT)
 
 
 def _asked(fake: FakeUpstream) -> list[str]:
@@ -122,10 +130,7 @@ async def test_a_proxy_that_refuses_its_credentials_is_a_502_unreachable_that_na
     async with HttpProxy({"upstream.test": port}, require=BASIC) as proxy:
         monkeypatch.setenv("ALL_PROXY", proxy.url.replace("://", "://carpool:s3cret@"))
         async with run_gateway([url]) as gw:
-            if path == "/v1/models":
-                response = await gw.client.get(path)
-            else:
-                response = await gw.client.post(path, json=CHAT)
+            response = await _ask(gw.client, path)
     assert response.status_code == 502
     message = response.json()["error"]["message"]
     assert message == "upstream replica-0 is unreachable (proxy answered 407)"
@@ -169,10 +174,7 @@ async def test_an_answer_the_proxy_marks_as_its_own_is_a_502_unreachable_not_the
     async with HttpProxy({"upstream.test": port}, own=own) as proxy:
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         async with run_gateway([url]) as gw:
-            if path == "/v1/models":
-                response = await gw.client.get(path)
-            else:
-                response = await gw.client.post(path, json=CHAT)
+            response = await _ask(gw.client, path)
             ready = await gw.client.get("/readyz")
     assert response.status_code == 502, response.text
     message = response.json()["error"]["message"]
@@ -301,10 +303,7 @@ async def test_a_proxy_that_cannot_be_reached_is_named_as_the_one_at_fault(
     with closed:
         monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{closed.getsockname()[1]}")
         async with run_gateway([url]) as gw:
-            if path == "/v1/models":
-                response = await gw.client.get(path)
-            else:
-                response = await gw.client.post(path, json=CHAT)
+            response = await _ask(gw.client, path)
     assert response.status_code == 502, response.text
     message = response.json()["error"]["message"]
     assert message == "upstream replica-0 is unreachable (proxy: connection refused)"
@@ -327,10 +326,7 @@ async def test_a_proxy_that_never_answers_the_connect_is_a_connection_timed_out(
         monkeypatch.setenv("HTTPS_PROXY", proxy.url)
         limits = {"upstream_connect_timeout": 0.3}
         async with run_gateway([url], limits=limits) as gw:
-            if path == "/v1/models":
-                response = await gw.client.get(path)
-            else:
-                response = await gw.client.post(path, json=CHAT)
+            response = await _ask(gw.client, path)
     assert proxy.stalled.is_set()
     assert response.status_code == 502, response.text
     message = response.json()["error"]["message"]
