@@ -5,6 +5,8 @@ Contract:
   directories dead runs left in ``parent`` (``sweep``), then makes this run's,
   ``carpool-run-XXXXXXXX`` (0700: ``tempfile.mkdtemp``), and holds a shared ``flock`` on it
   until the context exits, when it removes the directory (whatever in it is gone already).
+  A file system that refuses ``flock`` (NFS without lockd) leaves it unlocked, with a warning
+  (with Redis the run needs no other lock: it started there before the directory had one).
   It holds what every worker reads as it starts, for the whole run (uvicorn starts one in
   place of one that died, and all of them again at SIGHUP): the resolved config (a 0600 file
   with the run's keys, ``cli``) and, without Redis, the peers' meeting files
@@ -48,9 +50,18 @@ def run_directory(parent: str) -> Iterator[Path]:
         os.rmdir(directory)
         raise
     try:
-        # (Blocking: a sweep of another run starting now may hold it for a moment; it leaves
-        # an empty directory alone, and this one is empty until locked.)
-        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            # (Blocking: a sweep of another run starting now may hold it for a moment; it
+            # leaves an empty directory alone, and this one is empty until locked.)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        except OSError as refused:  # (ENOLCK, ENOSYS, EINVAL: no flock on this file system)
+            log.warning(
+                "%s refuses flock (%s): the run's directory %s goes unlocked, so cleaners of "
+                "the temporary directory are not kept from it (docs/scaling.md)",
+                parent,
+                os.strerror(refused.errno or 0),
+                directory.name,
+            )
         yield directory
     finally:
         # Removed while still locked: no sweep takes it for a dead run's meanwhile. What a
@@ -77,8 +88,10 @@ def sweep(parent: str) -> list[Path]:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live run's (or another start sweeping it now)
+            except OSError:
+                # A live run's (or another start sweeping it now); or no flock on this file
+                # system, where a live run's cannot be told from a dead one's: left.
+                continue
             if not os.listdir(fd):
                 continue
             shutil.rmtree(path, ignore_errors=True)
