@@ -250,7 +250,8 @@ class _StatsCollector(Collector):
             "carpool_gateway_overloaded",
             "Upstream calls this machine could not open a connection for (no file descriptor, "
             "no local port; or every connection to the replica busy past "
-            "limits.upstream_queue_timeout): answered 503 gateway_overloaded.",
+            "limits.upstream_queue_timeout): a 503 gateway_overloaded unless another replica "
+            "took the call.",
             value=s.overloaded(),
         )
         routing = CounterMetricFamily(

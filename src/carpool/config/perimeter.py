@@ -186,7 +186,8 @@ class LimitsConfig(Section):
         1000,
         gt=0,
         description="Pooled connections per replica; a request beyond waits for one, in turn "
-        "(first come, first served), for at most `upstream_queue_timeout`. Per pool: the "
+        "(first come, first served): a cached endpoint's call for at most "
+        "`upstream_queue_timeout`, a pass-through call without a time limit. Per pool: the "
         "cached endpoints' calls and pass-through calls have one each, and so has each worker "
         "process (serve --workers).",
     )
@@ -198,7 +199,8 @@ class LimitsConfig(Section):
         "long as they run; pass-through calls wait without this bound). Past it: 503 "
         "gateway_overloaded with Retry-After, nothing sent and the replica not counted as "
         "failing (busy, not down); a cached endpoint's call is tried once on another replica "
-        "first, if there is one. Twice it (the failover's wait too) must stay under "
+        "first, if there is one (not a call already failed over, nor one for the replica "
+        "holding its stored response). Twice it (the failover's wait too) must stay under "
         "`coalesce.join_timeout_ms`, so that the flight's joiners get its 503 rather than "
         "each making a call of its own that waits as long again: a value given above that "
         "is refused, the default is held to a third of a shorter join timeout.",

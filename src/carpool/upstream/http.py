@@ -37,11 +37,13 @@ Contract (on top of ``upstream.base``):
   TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
 - Through an HTTP proxy (``proxy``: ``upstream.proxy``'s choice for this replica's URL), on
   both transports: an https replica's calls in a CONNECT tunnel (``wire``'s; aiohttp's for
-  pass-through, whose ``connect`` timeout then bounds the tunnel's opening too), an http one's
-  sent to the proxy naming the replica's URL in full; the proxy's credentials to it alone. Its
-  refusal (a 407, a CONNECT answered with anything but a 2xx, an answer the proxy marks as its
-  own: ``wire.Answer.by_proxy``) is ``UpstreamUnreachable``, "proxy answered 407": nothing
-  reached the replica; a proxy that cannot be reached is "proxy: connection refused". A new
+  pass-through), an http one's sent to the proxy naming the replica's URL in full; the proxy's
+  credentials to it alone. Its refusal (a 407, a CONNECT answered with anything but a 2xx) is
+  ``UpstreamUnreachable``, "proxy answered 407": nothing reached the replica; so is an answer
+  the proxy names an error for (``proxy.proxy_error``) that came before the call went on
+  (``proxy.sent_nothing``); any other such answer is ``UpstreamNoAnswer`` (504 for a
+  timeout, else 502 "took the call but gave no answer": ``_proxy_failed``). A proxy that
+  cannot be reached is "proxy: connection refused". A new
   pass-through connection is opened within ``limits.upstream_connect_timeout`` in all, TCP,
   CONNECT and TLS (``_Connector``), its wait for a place in the pool apart.
 - An https replica is verified, on both transports, with one TLS context made at its first
