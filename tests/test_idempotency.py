@@ -21,6 +21,7 @@ from carpool.idempotency import (
     Begin,
     FallbackRecords,
     IdempotencyConflict,
+    IdempotencyFormatMismatch,
     IdempotencyKeyInvalid,
     IdempotencyMismatch,
     IdempotencyRecords,
@@ -29,6 +30,7 @@ from carpool.idempotency import (
     StoredResponse,
     parse_key,
 )
+from carpool.idempotency.errors import IdempotencyResponseNotKept
 from carpool.redis.idempotency import RedisIdempotencyRecords
 from carpool.store.base import StoreUnavailable
 from carpool.store.shared import SharedStore
@@ -141,11 +143,37 @@ def test_errors_are_problem_details(error: CarpoolError, status: int) -> None:
     assert error.status == status
     assert error.headers() == {"content-type": "application/problem+json"}
     body = orjson.loads(error.body())
-    assert set(body) == {"type", "title", "status", "detail", "message", "code"}
+    assert set(body) == {"type", "title", "status", "detail", "message", "code", "error"}
     assert body["status"] == status and body["detail"] == error.message
     assert body["type"].startswith("https://") and body["title"]
     # Where the SDKs read an error's text and code (the openai SDK said "Error code: 422").
     assert body["message"] == error.message and body["code"] == error.code
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        IdempotencyKeyInvalid("The Idempotency-Key header is empty."),
+        IdempotencyConflict(),
+        IdempotencyMismatch(),
+        IdempotencyFormatMismatch(streamed=True),
+        IdempotencyUnavailable(),
+        IdempotencyResponseNotKept(),
+    ],
+)
+def test_an_idempotency_problem_carries_openais_error_member_for_sdks_that_read_only_it(
+    error: CarpoolError,
+) -> None:
+    # The Node SDK reads an error's message and code from the body's ``error`` member alone:
+    # without it a 422 said "422 status code (no body)" and ``error.code`` was undefined, a
+    # key used for another request not told from a stream asked of a whole answer.
+    body = orjson.loads(error.body())
+    assert body["error"] == {
+        "message": error.message,
+        "type": error.type,
+        "param": None,
+        "code": error.code,
+    }
 
 
 def test_an_sdk_reads_an_idempotency_errors_message_and_code() -> None:

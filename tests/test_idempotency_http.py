@@ -107,6 +107,7 @@ async def test_the_same_key_with_a_different_request_is_422(gw, fake):
     other = await gw.chat("another question", headers=KEY)
     assert other.status_code == 422
     assert other.headers["content-type"].startswith("application/problem+json")
+    assert other.json()["error"]["code"] == "idempotency_mismatch"  # (where the Node SDK reads)
     assert fake.count() == 1
 
 

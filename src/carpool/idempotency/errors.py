@@ -1,4 +1,5 @@
-"""Idempotency errors, answered as RFC 9457 problem details (``application/problem+json``).
+"""Idempotency errors, answered as RFC 9457 problem details (``application/problem+json``), with
+OpenAI's ``error`` member beside them (message, type, param, code) for the SDKs that read only it.
 
 - ``IdempotencyKeyInvalid`` (400): the key is empty, too long or not a valid header string
   (``parse_key``); it is refused before any record is begun.
@@ -34,8 +35,10 @@ class IdempotencyError(CarpoolError):
     title = "Idempotency-Key error"
 
     def body(self) -> bytes:
-        # RFC 9457 allows members of one's own: ``message`` and ``code`` are where the SDKs
-        # look for an error's text and code (the openai SDK's message was "Error code: 422").
+        # RFC 9457 allows members of one's own: ``message`` and ``code`` are where the openai
+        # Python SDK looks for an error's text and code without an ``error`` member (its
+        # message was "Error code: 422"); the Node SDK reads only ``error`` (OpenAI's shape:
+        # its message was "422 status code (no body)", its ``code`` undefined).
         return orjson.dumps(
             {
                 "type": self.problem_type,
@@ -44,6 +47,12 @@ class IdempotencyError(CarpoolError):
                 "detail": self.message,
                 "message": self.message,
                 "code": self.code,
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": None,
+                    "code": self.code,
+                },
             }
         )
 

@@ -62,6 +62,18 @@ _BUDGET_FIGURES: dict[str, Any] = {
 # One error budget's audits (``semantic.audit.Audits.snapshot``): a tenant's in a namespace.
 _BUDGET = {"type": "object", "required": list(_BUDGET_FIGURES), "properties": _BUDGET_FIGURES}
 
+# OpenAI's error object: an ``Error``'s, and a ``Problem``'s beside its RFC 9457 members.
+_ERROR = {
+    "type": "object",
+    "required": ["message", "type", "code"],
+    "properties": {
+        "message": {"type": "string"},
+        "type": {"type": "string"},
+        "code": {"type": "string", "nullable": True},
+        "param": {"type": "string", "nullable": True},
+    },
+}
+
 SCHEMAS: dict[str, Any] = {
     # A namespace's budgets together; ``tenants``: each one's, by tenant label (the admin's).
     "SemanticAudit": {
@@ -77,31 +89,20 @@ SCHEMAS: dict[str, Any] = {
             "tenants": {"type": "object", "additionalProperties": _BUDGET},
         },
     },
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "code"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "code": {"type": "string", "nullable": True},
-                    "param": {"type": "string", "nullable": True},
-                },
-            }
-        },
-    },
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": _ERROR}},
     "Problem": {
         "type": "object",
-        "description": "RFC 9457 problem details (idempotency errors).",
-        "required": ["type", "title", "status", "detail"],
+        "description": "RFC 9457 problem details (idempotency errors), with OpenAI's `error` "
+        "member beside them (where the SDKs read an error's message and code).",
+        "required": ["type", "title", "status", "detail", "error"],
         "properties": {
             "type": {"type": "string"},
             "title": {"type": "string"},
             "status": {"type": "integer"},
             "detail": {"type": "string"},
+            "message": {"type": "string"},
+            "code": {"type": "string"},
+            "error": _ERROR,
         },
     },
     "ChatMessage": {
