@@ -730,3 +730,21 @@ async def test_keyed_embeddings_lists_hold_no_more_than_idempotency_max_bytes(fa
         assert records.evictions > 0  # (filled past its budget)
         assert records.bytes <= max_bytes
         assert held <= 1.2 * max_bytes, (held, records.bytes, len(records))
+
+
+async def test_an_invalidation_leaves_the_idempotency_records_so_a_retry_replays_its_first_answer(
+    fake, gateway_with
+):
+    # (docs/deviations.md) Dropping the record would run the request a second time; the cache
+    # serves no other client that answer after the invalidation.
+    async with gateway_with(admin_token="t") as gw:
+        first = await gw.chat("what is new?", headers=KEY)
+        dropped = await gw.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer t"}
+        )
+        assert dropped.status_code == 200 and dropped.json()["invalidated"] >= 1
+        retry = await gw.chat("what is new?", headers=KEY)
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert retry.content == first.content and fake.count() == 1
+        unkeyed = await gw.chat("what is new?")
+        assert unkeyed.headers["x-carpool"] == "miss" and fake.count() == 2
