@@ -27,6 +27,7 @@ from carpool.http_protocol import GatewayProtocol
 from carpool.reply import SLICE_BYTES, Reply
 from carpool.server import GatewayApp, create_app
 from carpool.wiring import build_gateway
+from fakes.raw_upstream import RawCall, raw_upstream
 from fakes.serving import ServedApp, serve_app, serve_app_with_server
 from fakes.upstream import FakeUpstream
 from fakes.waiting import eventually
@@ -271,6 +272,87 @@ async def test_a_header_sent_on_two_lines_is_both_its_values_on_either_path(fake
             writer.write(_request(body, version=version, extra=lines + extra))
             status, headers, _ = await _response(reader)
     assert (status, headers["x-carpool"]) == (200, "miss") and fake.count() == 2
+
+
+async def _head_only(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """A response's status and headers, its body left to read."""
+    status = int((await reader.readline()).split()[1])
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+def _stream_body(content: str) -> bytes:
+    return orjson.dumps({**orjson.loads(_body(content)), "stream": True})
+
+
+@pytest.mark.parametrize("extra", ["", "connection: keep-alive\r\n"], ids=["plain", "keep-alive"])
+@pytest.mark.parametrize("answer", ["miss", "coalesced", "hit"])
+async def test_an_http10_stream_is_sent_unframed_and_its_connection_closed_at_its_end(
+    fake, answer, extra
+):
+    """RFC 9112 6.1: chunked is never sent to a client that did not send HTTP/1.1. A stream
+    answered to HTTP/1.0 (a miss, a flight joined) was chunked all the same, and its client read
+    the chunk sizes as part of the events. Its body is the events as they are, ended by the
+    connection's close, even when the client asked to keep the connection; a hit has its
+    length, as before."""
+    async with _gateway(fake) as (served, _):
+        body = _stream_body(f"http/1.0 {answer}")
+        leader = None
+        if answer == "hit":
+            await _store(served, body)
+        elif answer == "coalesced":
+            fake.chunk_gate = asyncio.Event()
+            leader = asyncio.create_task(_store(served, body))
+            await fake.chunk_gate_reached.wait()  # (the call goes on: the next one joins it)
+        async with _socket(served) as (reader, writer):
+            writer.write(_request(body, version="1.0", extra=extra))
+            status, headers = await _head_only(reader)  # (a joiner's once it joined)
+            if leader is not None:
+                fake.chunk_gate.set()
+            streamed = await reader.read()  # (all that comes until the connection closes)
+        if leader is not None:
+            await leader
+    assert (status, headers["x-carpool"]) == (200, answer) and fake.count() == 1
+    assert streamed.startswith(b"data: {") and streamed.endswith(b"data: [DONE]\n\n"), streamed
+    assert "transfer-encoding" not in headers
+    if answer == "hit":
+        assert headers["content-length"] == str(len(streamed))
+    else:
+        assert "content-length" not in headers and headers["connection"] == "close"
+
+
+async def test_an_http10_passthrough_stream_is_sent_unframed_and_its_connection_closed():
+    """A pass-through answer without a length (an upstream's chunked stream, relayed as it
+    comes) to an HTTP/1.0 client: its bytes as they are, ended by the connection's close."""
+    events = b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+
+    def respond(call: RawCall) -> bytes:
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        return head + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+            len(events),
+            events,
+        )
+
+    async with (
+        raw_upstream(respond) as upstream,
+        serve_app_with_server(
+            create_app(build_gateway(Config(upstreams=[upstream.url])))
+        ) as served,
+        _socket(served) as (reader, writer),
+    ):
+        writer.write(
+            b"POST /v1/threads/runs HTTP/1.0\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: 2\r\nconnection: keep-alive\r\n\r\n{}"
+        )
+        status, headers = await _head_only(reader)
+        streamed = await reader.read()
+    assert (status, headers["content-type"]) == (200, "text/event-stream")
+    assert streamed == events
+    assert "transfer-encoding" not in headers and "content-length" not in headers
+    assert headers["connection"] == "close"
 
 
 async def test_a_request_expecting_100_continue_takes_the_asgi_path(fake):

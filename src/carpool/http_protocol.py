@@ -115,6 +115,12 @@ Contract:
   response began and will not end: a pass-through answer its upstream cut): its connection
   closes as uvicorn closes one whose app left its response incomplete, but without uvicorn's
   error line (the app logged why), and nothing more is written to it.
+- A request over HTTP/1.0 (or 0.9) is answered as uvicorn answers it, but for an answer without
+  a length (a stream, a pass-through answer relayed as it comes), which uvicorn sent chunked
+  whatever the request's version (RFC 9112 6.1: never to a client that did not send HTTP/1.1):
+  its body goes out as it comes, with ``connection: close``, and the connection closes at its
+  end, a client's ``Connection: keep-alive`` notwithstanding (``_UnframedCycle``). Such a
+  request is never held (above): it takes the ASGI path.
 - A chunked body's trailer fields are not headers (RFC 9110 6.5.1): httptools reports them as
   it reports headers, and they are dropped, on either path.
 - ``protocol()``: the ``http`` setting of a uvicorn serving the gateway (``carpool serve``, its
@@ -419,6 +425,7 @@ class GatewayProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             self._cycle_transport()
             self._cuttable()
+            self._unchunked()
             return
         self.held, self.held_size, self.held_target = [], 0, target
 
@@ -863,6 +870,19 @@ class GatewayProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope:  # (none made: an upgrade)
             cast(dict[str, Any], cycle.scope)[CUT] = partial(self._cut, cycle)  # (a key of ours)
 
+    def _unchunked(self) -> None:
+        """uvicorn's cycle just made for a request over HTTP/1.0 (or 0.9) sends an answer without
+        a length unframed, never chunked (``_UnframedCycle``)."""
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.scope is self.scope  # (none made: an upgrade)
+            and self.scope["http_version"] in _BEFORE_CHUNKED
+        ):
+            # uvicorn makes a cycle of its own class; only ``send`` differs. Its task has not run
+            # yet (it starts in the loop's next turn): the app is handed this ``send``.
+            cycle.__class__ = _UnframedCycle
+
     def _cut(self, cycle: RequestResponseCycle) -> None:
         """Cuts ``cycle``'s response, begun and not to be ended (a pass-through answer its
         upstream cut part-way: ``server._Relay``): the connection closes as uvicorn closes one
@@ -1017,6 +1037,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.before = self.cycle
         super().on_headers_complete()  # (its cycle and task, from the parser's state)
         self._cycle_transport()
+        self._unchunked()
         cycle = self.cycle
         if held:
             cycle.body = bytearray().join(held)
@@ -1057,6 +1078,43 @@ class _CycleTransport:
 
     def __getattr__(self, name: str) -> Any:  # (anything else a cycle may use: the transport's)
         return getattr(self.transport, name)
+
+
+# The versions httptools reads whose clients know no chunked coding (RFC 9112 6.1: it is sent
+# only to a client that sent HTTP/1.1 or later).
+_BEFORE_CHUNKED = frozenset(("0.9", "1.0"))
+
+
+class _UnframedCycle(RequestResponseCycle):
+    """uvicorn's request cycle for a client of HTTP/1.0 (``_BEFORE_CHUNKED``). uvicorn chunks an
+    answer sent without a length (a stream) whatever the request's version, and such a client
+    reads the chunk sizes as part of the body. Here its body goes out as it comes, the
+    connection closed at its end (``connection: close``, even if the client asked to keep it:
+    the close is the body's end). Any other answer is uvicorn's, unchanged."""
+
+    unframed = False  # (its answer has no length: set once its head is sent)
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            headers = list(message.get("headers", ()))  # (any iterable: read twice below)
+            names = {name.lower() for name, _ in (*self.default_headers, *headers)}
+            if (
+                b"content-length" not in names
+                and self.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+            ):  # (where uvicorn would chunk it)
+                self.unframed = True
+                self.chunked_encoding = False  # (uvicorn then adds no chunked of its own)
+                self.keep_alive = False
+                message = {
+                    **message,
+                    "headers": [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"],
+                }
+        elif message["type"] == "http.response.body" and self.unframed:
+            # uvicorn counts an unchunked body down from its content-length, which an unframed
+            # one has none of: each piece is all it waits for, and the last leaves nothing.
+            self.expected_content_length = len(message.get("body", b""))
+        await super().send(message)
 
 
 class _ConnectionWatch(ClientWatch):
