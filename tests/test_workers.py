@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from fakes.instances import free_port, serve_env, start_serve
 from test_distributed import until_serving
@@ -302,4 +303,117 @@ async def test_a_sigterm_as_the_run_starts_its_workers_leaves_nothing(fake, tmp_
     finally:
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _stalled_workers(stalled) -> tuple[list[int], list[int]]:
+    """The workers ``stalled_health_checks.py`` started, and those of them pinged (their
+    health-check thread stalled on the ping: the supervisor waits on their answer)."""
+    started = [int(path.name) for path in stalled.iterdir() if path.suffix == ""]
+    return started, [int(path.stem) for path in stalled.glob("*.pinged")]
+
+
+async def _waiting_on_a_health_check(proc, stalled, log, workers: int) -> int:
+    """Once ``workers`` workers have started and the supervisor waits on one's health check:
+    that one."""
+    from fakes.waiting import eventually
+
+    def waiting() -> bool:
+        started, pinged = _stalled_workers(stalled)
+        return len(started) == workers and len(pinged) == 1
+
+    await eventually(
+        lambda: waiting() or proc.poll() is not None,
+        what="the supervisor waiting on a worker's health check",
+        state=lambda: _stalled_workers(stalled),
+    )
+    assert proc.poll() is None, log.read_text()[-2000:]
+    return _stalled_workers(stalled)[1][0]
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_at_once(
+    fake, tmp_path, stop
+):
+    """uvicorn's supervisor waited up to WORKER_HEALTHCHECK_S (30 s) for a worker's answer to
+    its health check, and a signal did not end that wait: a Ctrl-C as the workers started
+    (each killed in its imports, never answering) stopped the run 30 s later, after starting
+    new workers. Now a Ctrl-C (SIGINT to the process group) or a SIGTERM to the parent stops
+    it at once, as after start-up: status 0, every worker ended, the run's directory gone."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    env = {**serve_env(), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stalled=stalled)
+    try:
+        await _waiting_on_a_health_check(proc, stalled, log, workers=2)
+        stopped_at = time.monotonic()
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+        took = time.monotonic() - stopped_at
+        # (Bounded well under the health check's wait, which is what it took.)
+        assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
+        started, _ = _stalled_workers(stalled)
+        assert len(started) == 2, started  # (none started in place of one the signal ended)
+        assert not any(_running(pid) for pid in started)
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+async def test_a_worker_that_dies_while_its_health_check_is_awaited_is_replaced_at_once(
+    fake, tmp_path
+):
+    """A worker that died while the supervisor waited on its health check was seen dead only
+    when the wait ended, WORKER_HEALTHCHECK_S (30 s) later: one worker fewer on the port
+    meanwhile. Its exit now ends the wait: it is replaced at once."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stalled=stalled)
+    try:
+        checked = await _waiting_on_a_health_check(proc, stalled, log, workers=2)
+        os.kill(checked, signal.SIGKILL)
+        await eventually(
+            lambda: f"Child process [{checked}] died" in log.read_text(),
+            timeout=WORKER_HEALTHCHECK_S / 2,  # (well under the wait, which is what it took)
+            what="the supervisor to see the worker died",
+        )
+        await eventually(
+            lambda: len(_stalled_workers(stalled)[0]) == 3, what="the worker in its place"
+        )
+        proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(temporary, ignore_errors=True)

@@ -25,7 +25,8 @@ for the run and removes when it ends, also when stopped while starting (``carpoo
 the parent loads that file back as a worker will, before any worker starts, and exits 2 with
 the reason if it fails or differs from its own, rather than let uvicorn restart workers that
 cannot start, for ever. uvicorn's supervisor waits ``WORKER_HEALTHCHECK_S`` for a worker's
-start and health check (not its 5 s).
+start and health check (not its 5 s); a health check's wait ends at once when the worker exits
+or SIGINT or SIGTERM comes (``carpool.supervisor``): a Ctrl-C as the workers start is a stop.
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ def _stopped_while_starting(signum: int, frame: Any) -> None:
 
 
 # How long uvicorn's supervisor waits for a worker to start, or to answer its health check,
-# before it gives a restart up or kills the worker (``serve --workers``).
+# before it gives a restart up or kills the worker (``serve --workers``); less when the worker
+# exits or the run is stopped meanwhile (``carpool.supervisor``).
 WORKER_HEALTHCHECK_S = 30
 
 
@@ -338,7 +340,8 @@ def _supervise_workers(server_config: Any, listening: Callable[[int], None]) -> 
     """What ``uvicorn.run`` does for ``workers`` > 1, the socket's port said once bound: the
     workers share the socket the parent binds, in ``uvicorn.run`` out of sight."""
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
+
+    from .supervisor import Supervisor  # (uvicorn's, its health checks cut short)
 
     socket = server_config.bind_socket()
     listening(socket.getsockname()[1])
@@ -346,11 +349,11 @@ def _supervise_workers(server_config: Any, listening: Callable[[int], None]) -> 
     # still); it builds the workers' servers itself since (0.54).)
     target = (
         {"target": uvicorn.Server(server_config).run}
-        if "target" in inspect.signature(Multiprocess).parameters
+        if "target" in inspect.signature(Supervisor).parameters
         else {}
     )
     with contextlib.suppress(KeyboardInterrupt):  # (as ``uvicorn.run``)
-        Multiprocess(server_config, sockets=[socket], **target).run()
+        Supervisor(server_config, sockets=[socket], **target).run()
 
 
 def _said_at_any_level(log: logging.Logger, message: str, *args: Any) -> None:

@@ -1,0 +1,77 @@
+"""The supervisor of ``carpool serve --workers N``: uvicorn's, its health checks cut short.
+
+Contract: ``Supervisor`` is uvicorn's ``Multiprocess`` (either of its APIs: given the function
+each worker runs, up to some version, or building the workers' servers itself), but a health
+check (a worker's answer to a ping, awaited up to ``timeout_worker_healthcheck``: 30 s in
+``carpool serve``) stops waiting as soon as
+- the worker exits: it is dead, and uvicorn replaces it (or stops the run, as it does for a
+  worker that failed to start), at once;
+- a SIGINT or SIGTERM reaches the supervisor: no verdict on the worker, and the supervisor
+  handles the signal right after, stopping the run as it does after start-up.
+uvicorn waited the whole timeout on the pipe, which a signal does not end (the call is resumed
+once the handler has queued it) and a dead worker does not either (the supervisor holds the
+pipe's other end too): a Ctrl-C as the workers started, killing each in its imports before
+its health-check thread ran, stopped the run 30 s later, after starting new workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import signal
+import time
+from multiprocessing.connection import wait
+
+from uvicorn.supervisors import Multiprocess
+from uvicorn.supervisors.multiprocess import Process
+
+# The signals that stop the run (uvicorn's supervisor stops on both).
+STOPPING = frozenset({signal.SIGINT, signal.SIGTERM})
+
+# How often a health check's wait looks whether a stopping signal has come meanwhile.
+GLANCE_S = 0.1
+
+
+class Supervisor(Multiprocess):
+    """uvicorn's supervisor, whose health checks end early on a worker's exit or a stop."""
+
+    def keep_subprocess_alive(self) -> None:
+        # uvicorn's round of health checks, each worker asked through ``_answers``: set on each
+        # round, as the workers started in the last one (in place of dead ones) are new.
+        for worker in self.processes:
+            worker.is_alive = functools.partial(self._answers, worker)  # type: ignore[method-assign]
+        super().keep_subprocess_alive()
+
+    def _stopping(self) -> bool:
+        """Whether a stopping signal is queued, for the supervisor to handle after this round."""
+        return any(signum in STOPPING for signum in self.signal_queue)
+
+    def _answers(self, worker: Process, timeout: float = 5) -> bool:
+        """As uvicorn's ``Process.is_alive``: whether ``worker`` runs and answers a ping within
+        ``timeout`` (uvicorn's default when it passes none); True when stopping, whatever the
+        worker (a False had uvicorn start a new one first)."""
+        if self._stopping():
+            return True
+        if not worker.process.is_alive():
+            return False
+        pipe = worker.parent_conn
+        try:
+            pipe.send(b"ping")
+        except OSError:
+            return False
+        deadline = time.monotonic() + timeout
+        while not self._stopping():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False  # (hung: uvicorn kills it)
+            # The pipe or the worker's exit, whichever first; a signal does not end the wait.
+            ready = wait([pipe, worker.process.sentinel], min(left, GLANCE_S))
+            if pipe in ready:
+                try:
+                    pipe.recv()  # (what it says, started or not, is for a restart's readiness)
+                except (OSError, EOFError, pickle.UnpicklingError):
+                    return False
+                return True
+            if ready:
+                return False  # (exited while checked)
+        return True
