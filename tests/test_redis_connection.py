@@ -61,6 +61,45 @@ def test_the_client_librarys_failure_on_a_torn_down_connection_is_store_unavaila
         raise failure
 
 
+def test_a_connection_redis_reset_is_redis_failing_on_uvloop_too_never_a_500(redis_server):
+    # ``carpool serve`` runs on uvloop, whose transport, closed by a reset, refuses the next
+    # write with a RuntimeError ("unable to perform operation on <TCPTransport closed=True>;
+    # the handler is closed"), which escaped the translation: after a Redis restart or a
+    # middlebox's reset, a cache read answered a 500 and a follower's flight a 502, Redis
+    # answering again meanwhile (a review's churn run, with Redis paused and killed).
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(_read_after_a_reset(redis_server))
+
+
+async def _read_after_a_reset(redis_server) -> None:
+    from fakes.latency_proxy import LinkProxy
+
+    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
+    # With its retry (the default), a stale connection is retried at once on a new one, as a
+    # reset one is; without, the failure is Redis's.
+    retried = connect(proxy.url, connect_timeout=5, socket_timeout=5)
+    alone = connect(proxy.url, connect_timeout=5, socket_timeout=5, retries=0)
+    try:
+        for client in (retried, alone):
+            await client.set(b"k", b"v")
+        pooled = [c.connection_pool._available_connections[0] for c in (retried, alone)]
+        proxy.reset()
+        # (Their transports closed: the next write on each is refused, not sent.)
+        await eventually(
+            lambda: all(c._writer.transport.is_closing() for c in pooled), what="the reset seen"
+        )
+        with unavailable("get"):
+            assert await retried.get(b"k") == b"v"
+        with pytest.raises(StoreUnavailable, match="get: "), unavailable("get"):
+            await alone.get(b"k")
+        with unavailable("get"):  # (the connection was dropped: a new one answers)
+            assert await alone.get(b"k") == b"v"
+    finally:
+        for client in (retried, alone):
+            await close_client(client)
+        await proxy.aclose()
+
+
 async def test_stop_reader_cancels_again_a_task_that_swallowed_its_cancellation():
     # As redis-py's cluster client may: the command in flight returns as if never cancelled,
     # and the reader's loop goes on to its next command.

@@ -13,7 +13,8 @@ Contract
   request, and on loaded cores some outlasted the connect timeout: a degraded moment). Each
   command may take ``socket_timeout`` (a hung Redis fails a call in that long, never hangs
   it), a connection ``connect_timeout``; a refused or reset connection is retried ``retries``
-  times at once (a pooled connection may be stale after a restart), a timeout never is.
+  times at once (a pooled connection may be stale after a restart; on uvloop a write on one a
+  reset closed is a ``RuntimeError``, retried and translated alike), a timeout never is.
 - :func:`unavailable` translates the client library's errors (and socket errors) into
   :class:`StoreUnavailable`, the one error every Redis-backed layer raises; a wait for a pooled
   connection that ran out is :class:`PoolExhausted`, a subclass: Redis answered, this instance
@@ -236,7 +237,11 @@ def connect(
         raise ImportError(
             f"sharing through Redis needs the redis extra: {install_hint('redis')}"
         ) from exc
-    retry = Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
+    # (uvloop's RuntimeError on a write to a transport a reset closed: a stale connection as
+    # a reset one is, in ``_translated``'s words; nothing of the command was sent.)
+    # (redis-py types them as its own errors; it catches whatever it is given.)
+    retried = (RedisConnectionError, RuntimeError)
+    retry = Retry(NoBackoff(), retries, supported_errors=retried)  # type: ignore[arg-type]
     if cluster:
         # (Its per-node pools do not wait for a free connection: sized generously instead.)
         cluster_class: Any = _cluster_class()
@@ -424,6 +429,10 @@ def unavailable(what: str) -> Iterator[None]:
         raise asyncio.CancelledError
 
 
+# uvloop's words for a write on a transport already closed (``_translated``).
+_CLOSED_TRANSPORT = "unable to perform operation on"
+
+
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -459,6 +468,13 @@ def _translated(what: str) -> Iterator[None]:
         # redis-py's cluster client, on a node killed mid-call, uses the connection it tore
         # down ("'NoneType' object has no attribute 'writelines'"): Redis failed, not the
         # request, which must not become a 500 (the message is logged with the failure).
+        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except RuntimeError as exc:
+        # uvloop (``carpool serve``'s loop) refuses a write on a transport a reset closed with
+        # a RuntimeError, where asyncio's raises an OSError: a connection Redis (or a
+        # middlebox) reset, which redis-py drops as it raises. Any other RuntimeError is a bug.
+        if _CLOSED_TRANSPORT not in str(exc):
+            raise
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
