@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -657,6 +658,27 @@ async def test_memory_records_are_bounded_in_count_and_bytes(caplog) -> None:
     assert "larger than idempotency.max_bytes" in caplog.text and "runs again" in caplog.text
     await records.aclose()
     assert len(records) == 0 and records.bytes == 0
+
+
+@pytest.mark.parametrize("behind_redis", [False, True])
+async def test_an_eviction_is_said_as_what_it_costs_alone_or_behind_redis(
+    behind_redis: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Behind Redis the records here are this instance's copies (its way down): evicting one
+    # costs nothing while Redis answers, which replays the retry. The warning said "a retry of
+    # theirs runs again; ... or use redis" to an operator using Redis (a churn reviewer).
+    caplog.set_level(logging.INFO, logger="carpool.idempotency")
+    records = MemoryIdempotencyRecords(60, max_records=1, behind_redis=behind_redis)
+    for key in "ab":
+        await records.finish(key, await begin_new(records, key), OK)
+    assert records.evictions == 1
+    (said,) = [r for r in caplog.records if "evicted" in r.getMessage()]
+    if behind_redis:
+        assert said.levelno == logging.INFO and "use redis" not in said.getMessage()
+        assert "Redis" in said.getMessage() and "copies" in said.getMessage()
+    else:
+        assert said.levelno == logging.WARNING and "runs again" in said.getMessage()
+    await records.aclose()
 
 
 @pytest.mark.parametrize("quiet", ["quiet", "a-quiet-tenant"])  # (records of other sizes)

@@ -366,6 +366,7 @@ def build_idempotency(
         max_records=idempotency.max_records,
         max_bytes=idempotency.max_bytes,
         clock=clock,
+        behind_redis=bool(config.redis),
     )
     if not config.redis:
         return local

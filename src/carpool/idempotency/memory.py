@@ -79,6 +79,7 @@ class MemoryIdempotencyRecords:
         max_bytes: int = 256 * 1024 * 1024,
         sweep_interval: float = 30.0,
         clock: Clock = SYSTEM_CLOCK,
+        behind_redis: bool = False,
     ) -> None:
         if retention <= 0 or processing_ttl <= 0:
             raise ValueError("retention and processing_ttl must be positive")
@@ -102,6 +103,9 @@ class MemoryIdempotencyRecords:
         self._running: dict[str, _Record] = {}
         self._next_sweep = clock.monotonic() + sweep_interval
         self._evicted_logged_at = float("-inf")
+        # Shared records' way down (``FallbackRecords``): an eviction here costs nothing while
+        # Redis answers (it replays the retry), and is said so (``_evicted``).
+        self.behind_redis = behind_redis
         self.waiters = 0  # tasks inside ``wait`` now
 
     def __len__(self) -> int:
@@ -254,10 +258,19 @@ class MemoryIdempotencyRecords:
             record.wake()
 
     def _evicted(self) -> None:
-        """Finished records evicted before their retention: a retry of theirs runs again."""
+        """Finished records evicted before their retention: a retry of theirs runs again (a
+        warning), or, ``behind_redis``, only while Redis fails (said at info)."""
         now = self._clock.monotonic()
         if now - self._evicted_logged_at >= EVICTION_LOG_S:
             self._evicted_logged_at = now
+            if self.behind_redis:
+                log.info(
+                    "this instance's copies of idempotency records evicted before their "
+                    "retention (%d so far): Redis keeps the records and replays their retries; "
+                    "only while it fails does such a retry run again here",
+                    self._records.evictions,
+                )
+                return
             log.warning(
                 "idempotency records evicted before their retention (%d so far): a retry of "
                 "theirs runs again; raise idempotency.max_records / max_bytes, or use redis",
