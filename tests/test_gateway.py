@@ -775,6 +775,32 @@ async def test_a_pass_through_client_that_sent_its_whole_body_and_waits_is_not_g
     assert fake.cancelled == 0 and gw.gateway.replicas.in_flight == 0
 
 
+async def test_a_prompt_of_megabytes_reaches_the_upstream_byte_for_byte_then_a_small_one_after_it(
+    gw, fake
+):
+    """A large body is written after its head, not joined to it (a copy of the whole body per
+    call in flight); a small one with its head, in one write. Either way the upstream reads each
+    request whole and exact, one after the other on the one kept connection."""
+
+    def chat(content: str) -> bytes:
+        return orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0}
+        )
+
+    prompt = "".join(f"line {i}: the quick brown fox\n" for i in range(150_000))  # (~4 MB)
+    bodies = [chat(prompt), chat("and a small one"), chat(prompt + "and again")]
+    for body in bodies:
+        reply = await gw.client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 200, reply.text
+    assert fake.count() == 3
+    for call, body in zip(fake.calls, bodies, strict=True):  # (compared, not diffed: megabytes)
+        assert (len(call.raw_body), call.raw_body == body) == (len(body), True)
+    assert len(bodies[0]) > 4_000_000
+    assert len({call.peer for call in fake.calls}) == 1  # (the large one's connection, kept)
+
+
 async def test_request_headers_are_forwarded_upstream(gw, fake):
     await gw.chat(
         headers={"Authorization": "Bearer sk-abc", "X-Custom": "1", "x-carpool-namespace": "n"}

@@ -129,6 +129,62 @@ async def test_stats_and_metrics_show_the_repeat_memos_entries_and_bytes_within_
         assert samples(text, "carpool_repeat_memo_bytes")[""] == memo["bytes"]
 
 
+async def test_stats_and_metrics_show_what_the_idempotency_records_hold_in_this_process(
+    gateway_with, fake
+):
+    """Each keyed request's answer is kept for its retries, up to ``idempotency.max_bytes``
+    (256 MiB) per process: RSS grew by hundreds of MB after a few keyed long streams while the
+    reports showed the caches alone. They say how many records this process holds (and how
+    many are being processed) and their bytes, within the budget."""
+    budget = 1 << 20
+    async with gateway_with(idempotency={"max_bytes": budget}) as gw:
+        empty = (await gw.client.get("/stats")).json()["idempotency"]
+        assert empty == {"records": 0, "processing": 0, "bytes": 0, "max_bytes": budget}
+        answers = 0
+        for i in range(3):
+            reply = await gw.chat(f"charge order {i}", headers={"Idempotency-Key": f"order-{i}"})
+            answers += len(reply.content)
+        fake.gate = asyncio.Event()
+        running = asyncio.create_task(
+            gw.chat("charge order 3", headers={"Idempotency-Key": "order-3"})
+        )
+        await fake.wait_for_calls(4)
+        held = (await gw.client.get("/stats")).json()["idempotency"]
+        records = gw.gateway.layers.idempotency
+        assert held == {
+            "records": 3,
+            "processing": 1,
+            "bytes": records.bytes,
+            "max_bytes": budget,
+        }
+        assert answers < held["bytes"] <= budget  # (each answer's bytes, and its record's)
+        text = (await gw.client.get("/metrics")).text
+        assert samples(text, "carpool_idempotency_records") == {"": 3}
+        assert samples(text, "carpool_idempotency_processing") == {"": 1}
+        assert samples(text, "carpool_idempotency_bytes") == {"": held["bytes"]}
+        fake.gate.set()
+        assert (await running).status_code == 200
+        after = (await gw.client.get("/stats")).json()["idempotency"]
+        assert (after["records"], after["processing"]) == (4, 0)
+        assert after["bytes"] > held["bytes"]
+
+
+async def test_with_redis_the_idempotency_figures_are_this_instances_copies_not_redis(
+    gateway_with, fake, redis_server
+):
+    """With Redis the records are shared there, and each instance keeps a copy of the answers
+    it finished (its fallback while Redis cannot be read): the figures count those copies,
+    what this process's memory holds; the shared records' size is Redis's, not counted."""
+    async with gateway_with(**redis_settings(redis_server)) as gw:
+        await gw.chat("charge order 1", headers={"Idempotency-Key": "order-1"})
+        figures = (await gw.client.get("/stats")).json()["idempotency"]
+        copies = gw.gateway.layers.idempotency.local
+        assert (figures["records"], figures["processing"]) == (1, 0)
+        assert figures["bytes"] == copies.bytes > 0
+        text = (await gw.client.get("/metrics")).text
+        assert samples(text, "carpool_idempotency_records") == {"": 1}
+
+
 async def test_a_2xx_that_is_no_answer_is_counted_an_upstream_error():
     """An upstream behind a maintenance page (200, HTML) or answering a JSON array: each call is
     a 502 to its client, and a failed attempt in ``upstream_errors`` as a 5xx would be."""

@@ -1099,6 +1099,27 @@ async def test_stats_on_any_worker_carries_the_runs_totals(fake):
         assert "run" not in pair.b.gateway.snapshot()  # (a worker's own, through its door)
 
 
+async def test_the_runs_idempotency_records_are_summed_over_its_workers(fake):
+    """Each worker holds the records of the keys it owns, in its own memory: the run's
+    ``/metrics`` and ``/stats`` ``run`` count every worker's, whichever worker answers."""
+    async with two_workers(fake.url, admin_token="t") as pair:
+        admin = {"Authorization": "Bearer t"}
+        a = pair.a.gateway
+        owned = {a.peers.owner_of(scope_of_key(a, f"order-{i}")): f"order-{i}" for i in range(50)}
+        for key in (owned[None], owned[1]):  # one kept by each worker
+            reply = await pair.a.chat("Charge my card", headers={"idempotency-key": key})
+            assert reply.status_code == 200
+        assert a.snapshot()["idempotency"]["records"] == 1
+        for served in (pair.a, pair.b):
+            text = (await served.client.get("/metrics", headers=admin)).text
+            assert _summed(text, "carpool_idempotency_records") == 2
+            run = (await served.client.get("/stats", headers=admin)).json()["run"]
+            assert run["idempotency"]["records"] == 2
+            assert run["idempotency"]["bytes"] == sum(
+                g.snapshot()["idempotency"]["bytes"] for g in (a, pair.b.gateway)
+            )
+
+
 def test_the_runs_totals_sum_each_replicas_errors_take_its_worst_state_and_skip_odd_shapes():
     # The run's replica showed one worker's errors and health beside the run's calls; a worker
     # whose document had an odd part (a None where an object goes) made /stats a 500.

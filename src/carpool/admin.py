@@ -9,6 +9,13 @@ Contract:
   calls that found the pool exhausted); read at scrape time, never kept. The exact cache takes
   a step of reaping first (``Store.reap``), so that its figures come to count live entries
   only.
+- ``idempotency`` (in the gauges and ``/stats``): what the idempotency records hold in this
+  process's memory (``Layers.local_idempotency``), not answers of a cache layer (an
+  invalidation leaves them): ``records`` finished or released (expired ones until swept),
+  ``processing``, ``bytes`` as ``max_bytes`` bounds them (``idempotency.memory``). With
+  ``redis``, this instance's fallback: its copies of the answers it finished in Redis, and the
+  records begun here while Redis could not be read; the shared records in Redis are not
+  counted (their number and size are Redis's, not read).
 - ``refresh(layers)``, awaited by the reports (``/stats``, ``/metrics``) before they read the
   gauges: with ``redis``, the exact cache's figures are Redis's counts of the whole shared cache
   (every instance's entries, those expired reaped), read again when older than the store's
@@ -104,6 +111,7 @@ def gauges(layers: Layers) -> dict[str, Any]:
             "bytes": layers.repeats.bytes,
             "max_bytes": layers.repeats.max_bytes,
         },
+        "idempotency": idempotency_records(layers),
         "replicas": {name: r["in_flight"] for name, r in layers.replicas.snapshot().items()},
         "redis_errors": redis_errors(layers),
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
@@ -111,6 +119,20 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "judge_calls": layers.judge.calls if layers.judge is not None else 0,
         "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
         "semantic_audit_totals": layers.audits.totals() if layers.audits is not None else {},
+    }
+
+
+def idempotency_records(layers: Layers) -> dict[str, int] | None:
+    """What the idempotency records hold in this process (the module's contract); None when
+    the records are not of this process's memory (a library caller's own)."""
+    records = layers.local_idempotency
+    if records is None:
+        return None
+    return {
+        "records": records.kept,
+        "processing": records.processing,
+        "bytes": records.bytes,
+        "max_bytes": records.max_bytes,
     }
 
 
@@ -146,6 +168,7 @@ def snapshot(layers: Layers) -> dict[str, Any]:
         "waiters": g["waiters"],
         "layers": g["layers"],
         "repeat_memo": g["repeat_memo"],
+        **({"idempotency": g["idempotency"]} if g["idempotency"] is not None else {}),
         "replicas": layers.replicas.snapshot(),
         "routing": dict(layers.stats.routing),
         "batching": layers.batcher.stats(),

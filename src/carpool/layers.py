@@ -8,6 +8,10 @@ Contract:
   as what they are (the same objects as ``store`` and ``semantic``, and the shared side of
   ``idempotency``; ``None`` without ``redis``): what ``/stats``, ``/metrics`` and ``/healthz``
   read of Redis (errors, pool exhaustion, health, stream counts).
+- ``local_idempotency``: the idempotency records in this process's memory (``idempotency``
+  itself, or with ``redis`` its fallback, which also keeps a copy of each answer this instance
+  finished in Redis), whose figures ``/stats`` and ``/metrics`` report; ``None`` for records of
+  another kind a library caller gave (what they hold is not known here).
 - ``semantic_invalidations``: with ``redis`` and no semantic cache, what publishes this
   instance's invalidations to the other instances' semantic caches (``SemanticInvalidations``);
   ``None`` otherwise (a shared semantic cache publishes its own).
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .fingerprint import RepeatMemo
     from .flight import FlightGroup
-    from .idempotency import IdempotencyRecords
+    from .idempotency import IdempotencyRecords, MemoryIdempotencyRecords
     from .identity import AcceptedCredentials
     from .metrics import Metrics, Stats
     from .peers import Peers
@@ -82,6 +86,7 @@ class Layers:
     shared_semantic: SharedSemanticCache | None = None
     semantic_invalidations: SemanticInvalidations | None = None  # (redis, no semantic cache)
     shared_idempotency: RedisIdempotencyRecords | None = None
+    local_idempotency: MemoryIdempotencyRecords | None = None  # (what this process holds)
     peers: Peers | None = None  # the other workers of this run, without redis
     clock: Clock = SYSTEM_CLOCK  # what the in-process layers and answers' ages read
     # which replica made each stored response (``routing.state``)

@@ -40,7 +40,8 @@ Contract:
   the workers each renders
   every namespace for the merge, which ranks the run's sums by the same rule
   (``peers.metrics.merge``).
-- The gauges (flights, caches, Redis errors...) are ``admin.gauges``', as it says:
+- The gauges (flights, caches, idempotency records, Redis errors...) are ``admin.gauges``', as
+  it says:
   ``carpool_redis_errors_total{component}`` counts each Redis layer's own failed calls, none
   twice; with Redis the exact cache's entries and bytes are the whole shared cache's, at most
   a stats interval old; a call led by another instance (or worker) is a flight here too while
@@ -330,6 +331,11 @@ class _StatsCollector(Collector):
             "Bytes held by the memo of byte-identical repeats (fingerprint.repeat_memo_bytes).",
             value=memo["bytes"],
         )
+        records = g["idempotency"]  # (None: a library caller's own records, not known here)
+        for name, field, help_text in _IDEMPOTENCY:
+            yield GaugeMetricFamily(
+                name, help_text, value=records[field] if records is not None else None
+            )
         load = GaugeMetricFamily(
             "carpool_upstream_in_flight", "Calls in flight per replica.", labels=["replica"]
         )
@@ -337,6 +343,28 @@ class _StatsCollector(Collector):
             load.add_metric([replica], n)
         yield load
         yield from _semantic_audit(g, None if self.every_namespace else METRIC_NAMESPACES)
+
+
+# The idempotency records' gauges: (name, field of ``admin.idempotency_records``, help).
+_IDEMPOTENCY = (
+    (
+        "carpool_idempotency_records",
+        "records",
+        "Finished idempotency records this process holds for retries (with Redis: its copies "
+        "of the answers it finished there; the shared records are not counted).",
+    ),
+    (
+        "carpool_idempotency_processing",
+        "processing",
+        "Idempotency records being processed in this process.",
+    ),
+    (
+        "carpool_idempotency_bytes",
+        "bytes",
+        "Bytes the idempotency records hold in this process (idempotency.max_bytes; with "
+        "Redis, its copies; the shared records' size is not counted).",
+    ),
+)
 
 
 def _semantic_audit(g: dict[str, Any], limit: int | None) -> Iterator[Any]:

@@ -260,6 +260,12 @@ class Gateway:
         except (RequestError, IdempotencyError) as error:
             self.stats.rejected += 1
             return refusal(error, BY_PATH[route])
+        if idempotency_key is None or self.peers is None:
+            # Parsed, the client's bytes are read again only by a keyed request passed on whole
+            # to its record's owner among the workers (``Peers.run_on``): let go of them now,
+            # not at the end of the call (a copy of a megabyte prompt less while it runs; the
+            # repeat memo's key keeps the small bodies it remembers).
+            client.body = b""
         key = fingerprint(request, self.config, self.accepted)
         remember = (
             partial(self.repeats.remember, memo_key, request, key, self._read_age(request))

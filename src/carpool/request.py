@@ -80,6 +80,8 @@ class ClientRequest:
     """What arrived from a client, independent of the transport (HTTP server or library call)."""
 
     path: str
+    # The raw body: emptied once parsed (``Gateway.handle``), unless a worker may pass the
+    # request on whole to another (a keyed one, among ``--workers``).
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names
     # The raw query string (Azure's ``api-version``, deployment parameters): forwarded to the

@@ -363,6 +363,7 @@ class GatewayApp:
             scope.get("query_string", b""),
             peer=scope.get(PEER) is True,  # (set by the peers' door only)
         )
+        del body  # (the client's to hold: ``Gateway.handle`` lets it go once parsed)
         await self.serve(client, ReceiveWatch(receive), partial(_send_reply, send), started)
 
     async def serve(

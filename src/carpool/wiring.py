@@ -193,6 +193,7 @@ def build_layers(
         shared_semantic=_redis_backed_semantic(config, semantic),
         semantic_invalidations=build_semantic_invalidations(config, store, semantic),
         shared_idempotency=_redis_backed_idempotency(config, idempotency),
+        local_idempotency=_in_process_idempotency(idempotency),
         peers=peers,
         clock=clock,
         holders=StateHolders(config.routing.state_entries),
@@ -231,6 +232,13 @@ def _redis_backed_idempotency(
 
     shared = idempotency.shared
     return shared if isinstance(shared, RedisIdempotencyRecords) else None
+
+
+def _in_process_idempotency(idempotency: IdempotencyRecords) -> MemoryIdempotencyRecords | None:
+    """The records ``idempotency`` keeps in this process's memory: itself, or its fallback."""
+    if isinstance(idempotency, FallbackRecords):
+        return idempotency.local
+    return idempotency if isinstance(idempotency, MemoryIdempotencyRecords) else None
 
 
 def window_policy(coalesce: CoalesceConfig) -> WindowPolicy:

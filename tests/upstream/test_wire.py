@@ -104,14 +104,15 @@ async def serve() -> AsyncIterator[Callable[..., Awaitable[tuple[Server, wire.Po
         listening.close()
 
 
-def post(body: bytes = b"{}") -> bytes:
-    return wire.request_head("/v1/chat/completions", "127.0.0.1", {}, len(body)) + body
+def post(body: bytes = b"{}") -> tuple[bytes, bytes]:
+    """A request's head and body, as ``Pool.request`` takes them."""
+    return wire.request_head("/v1/chat/completions", "127.0.0.1", {}, len(body)), body
 
 
 async def test_a_whole_answer_is_read_and_its_connection_reused(serve):
     server, pool = await serve(answering(OK))
     for _ in range(3):
-        answer = await pool.request(post(), True)
+        answer = await pool.request(*post(), True)
         assert (answer.status, answer.content_type) == (200, "application/json")
         assert await answer.read() == b"{}"
     assert server.connections == 1 and len(server.requests) == 3
@@ -130,18 +131,18 @@ async def test_the_most_recently_used_idle_connection_is_reused_and_a_stale_one_
         await writer.drain()
 
     server, pool = await serve(handle)
-    first = asyncio.create_task(pool.request(post(), True))
-    second = asyncio.create_task(pool.request(post(), True))
+    first = asyncio.create_task(pool.request(*post(), True))
+    second = asyncio.create_task(pool.request(*post(), True))
     await asyncio.sleep(0.05)
     gate.set()
     for task in (first, second):
         await (await task).read()
     assert server.connections == 2 and len(pool.idle) == 2
-    await (await pool.request(post(), True)).read()
+    await (await pool.request(*post(), True)).read()
     assert server.connections == 2
     real = wire.monotonic
     monkeypatch.setattr(wire, "monotonic", lambda: real() + 4.5)
-    await (await pool.request(post(), True)).read()
+    await (await pool.request(*post(), True)).read()
     assert server.connections == 3  # idle past keep-alive: both closed, a fresh one opened
     assert pool.open == 1
 
@@ -157,7 +158,7 @@ async def test_idle_connections_are_closed_at_their_keep_alive_with_no_traffic_a
         await writer.drain()
 
     server, pool = await serve(handle, keepalive_s=0.2)
-    burst = [asyncio.create_task(pool.request(post(), True)) for _ in range(3)]
+    burst = [asyncio.create_task(pool.request(*post(), True)) for _ in range(3)]
     await eventually(lambda: len(server.requests) == 3)
     gate.set()
     for task in burst:
@@ -166,7 +167,7 @@ async def test_idle_connections_are_closed_at_their_keep_alive_with_no_traffic_a
     await eventually(lambda: pool.open == 0 and not pool.idle, what="idle connections closed")
     await eventually(lambda: server.ends == 3, what="the server seeing them close")
     assert pool._reaping is None  # (nothing idle: no timer left behind)
-    await (await pool.request(post(), True)).read()  # (and the pool serves on)
+    await (await pool.request(*post(), True)).read()  # (and the pool serves on)
     assert server.connections == 4
 
 
@@ -180,8 +181,8 @@ async def test_beyond_the_limit_a_request_waits_for_a_connection(serve):
         await writer.drain()
 
     server, pool = await serve(handle, limit=1)
-    first = asyncio.create_task(pool.request(post(), True))
-    second = asyncio.create_task(pool.request(post(), True))
+    first = asyncio.create_task(pool.request(*post(), True))
+    second = asyncio.create_task(pool.request(*post(), True))
     await asyncio.sleep(0.05)
     assert len(server.requests) == 1 and not second.done()
     gate.set()
@@ -203,7 +204,7 @@ async def test_a_stream_read_to_its_end_gives_its_connection_back(serve):
 
     server, pool = await serve(handle)
     for _ in range(2):
-        answer = await pool.request(post(), False)
+        answer = await pool.request(*post(), False)
         got = b""
         async for data in answer.chunks():
             got += data
@@ -222,7 +223,7 @@ async def test_a_stream_left_part_way_closes_its_connection(serve):
         await reader.read()  # (until the client goes)
 
     server, pool = await serve(handle)
-    answer = await pool.request(post(), False)
+    answer = await pool.request(*post(), False)
     async for _ in answer.chunks():
         break
     await answer.aclose()
@@ -237,14 +238,14 @@ async def test_a_body_that_ends_with_the_connection_is_whole_and_the_connection_
         writer.close()
 
     server, pool = await serve(handle)
-    assert await (await pool.request(post(), True)).read() == b'{"a": 1}'
-    assert await (await pool.request(post(), True)).read() == b'{"a": 1}'
+    assert await (await pool.request(*post(), True)).read() == b'{"a": 1}'
+    assert await (await pool.request(*post(), True)).read() == b'{"a": 1}'
     assert server.connections == 2
 
 
 async def test_an_interim_answer_is_skipped(serve):
     server, pool = await serve(answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK))
-    answer = await pool.request(post(), True)
+    answer = await pool.request(*post(), True)
     assert (answer.status, await answer.read()) == (200, b"{}")
     assert server.connections == 1
 
@@ -265,7 +266,7 @@ async def test_an_answer_that_stops_short_is_a_failure_in_words(serve, answer, r
 
     _, pool = await serve(handle)
     with pytest.raises(wire.WireError) as raised:
-        await (await pool.request(post(), True)).read()
+        await (await pool.request(*post(), True)).read()
     assert (raised.value.reason, raised.value.answered) == (reason, answered)
     assert pool.open == 0
 
@@ -273,7 +274,7 @@ async def test_an_answer_that_stops_short_is_a_failure_in_words(serve, answer, r
 async def test_a_refused_connection_says_so():
     pool = wire.Pool("127.0.0.1", 1)
     with pytest.raises(wire.WireError, match="connection refused"):
-        await pool.request(post(), True)
+        await pool.request(*post(), True)
     assert pool.open == 0
 
 
@@ -284,7 +285,7 @@ async def test_a_server_silent_for_the_answer_timeout_times_out(serve):
         await reader.read()  # (until the client goes)
 
     _, pool = await serve(handle, answer_timeout=0.2)
-    answer = await pool.request(post(), False)
+    answer = await pool.request(*post(), False)
     with pytest.raises(wire.WireTimeout):
         async for _ in answer.chunks():
             pass
@@ -308,7 +309,7 @@ async def test_a_piece_unread_when_the_time_is_up_is_judged_once_its_reader_has_
         await reader.read()  # (until the client goes)
 
     _, pool = await serve(handle, answer_timeout=0.2)
-    answer = await pool.request(post(), False)
+    answer = await pool.request(*post(), False)
     pieces = answer.chunks()
     assert await anext(pieces) == b"data: 1\n\n"
     answer.progressed()
@@ -328,7 +329,7 @@ async def test_a_request_cancelled_while_it_waits_closes_its_connection(serve):
         await reader.read()  # (until the client goes)
 
     server, pool = await serve(handle)
-    task = asyncio.create_task(pool.request(post(), True))
+    task = asyncio.create_task(pool.request(*post(), True))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -482,11 +483,11 @@ async def test_bytes_after_an_answer_are_not_taken_for_it_and_its_connection_is_
         await writer.drain()
 
     server, pool = await serve(handle)
-    first = await pool.request(post(), True)
+    first = await pool.request(*post(), True)
     assert (first.status, first.content_type) == (500, "application/json")
     assert await first.read() == b'{"e":"x"}'
     assert not pool.idle  # never reused
-    second = await pool.request(post(), True)
+    second = await pool.request(*post(), True)
     assert (second.status, await second.read()) == (200, b"{}")
     assert server.connections == 2
 
@@ -494,7 +495,7 @@ async def test_bytes_after_an_answer_are_not_taken_for_it_and_its_connection_is_
 async def test_a_chunked_answers_trailers_are_not_its_head(serve):
     trailed = CHUNKED_HEAD + chunk(b"data: 1\n\n") + b"0\r\ncontent-type: text/plain\r\n\r\n"
     _, pool = await serve(answering(trailed))
-    answer = await pool.request(post(), True)
+    answer = await pool.request(*post(), True)
     assert answer.content_type == "text/event-stream"
     assert await answer.read() == b"data: 1\n\n"
 
@@ -517,7 +518,7 @@ async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_r
         await writer.drain()
 
     server, pool = await serve(handle, answer_timeout=5)
-    answer = await pool.request(post(), False)
+    answer = await pool.request(*post(), False)
     async for data in answer.chunks():
         assert data == b"data: [DONE]\n\n"
         break
@@ -525,7 +526,7 @@ async def test_an_answer_nobody_asked_for_after_a_drained_streams_end_is_never_r
     drained.set()
     await asyncio.wait_for(server.closed.wait(), 5)  # the gateway closed it, not kept it
     assert not pool.idle
-    second = await pool.request(post(), True)
+    second = await pool.request(*post(), True)
     assert (second.status, await second.read()) == (200, b"{}")
     assert server.connections == 2
 
@@ -540,7 +541,7 @@ async def test_closing_the_pool_fails_a_request_still_waiting_for_its_answer(ser
         await reader.read()  # (never answers)
 
     _, pool = await serve(handle)  # (the read timeout: 600 s)
-    waiting = asyncio.create_task(pool.request(post(), True))
+    waiting = asyncio.create_task(pool.request(*post(), True))
     await asyncio.wait_for(asked.wait(), 5)
     pool.close()
     with pytest.raises(wire.WireError, match="connection closed") as raised:
@@ -562,13 +563,13 @@ async def _first_held(serve: Any, first_answer: bytes) -> tuple[Any, Any, asynci
         await writer.drain()
 
     server, pool = await serve(handle, limit=1)
-    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    first = asyncio.create_task(pool.request(*post(b'"first"'), True))
     await asyncio.wait_for(asked.wait(), 5)
     return server, pool, gate, first
 
 
 async def _ask(pool: Any, body: bytes) -> bytes:
-    return await (await pool.request(post(body), True)).read()
+    return await (await pool.request(*post(body), True)).read()
 
 
 async def test_a_request_waiting_past_its_queue_timeout_fails_busy_and_leaves_the_line(serve):
@@ -586,7 +587,7 @@ async def test_a_request_waiting_past_its_queue_timeout_fails_busy_and_leaves_th
         await writer.drain()
 
     server, pool = await serve(handle, limit=1, queue_timeout=0.05)
-    first = asyncio.create_task(pool.request(post(b'"first"'), True))
+    first = asyncio.create_task(pool.request(*post(b'"first"'), True))
     await asyncio.wait_for(asked.wait(), 5)
     with pytest.raises(wire.WireBusy) as busy:
         await asyncio.wait_for(_ask(pool, b'"waiting"'), WAIT_S)
@@ -1082,6 +1083,6 @@ async def test_an_answer_head_over_64_kib_fails_the_answer(serve, how):
 
     server, pool = await serve(handle)
     with pytest.raises(wire.WireError, match="answer head too large") as raised:
-        await asyncio.wait_for(pool.request(post(), True), 10)
+        await asyncio.wait_for(pool.request(*post(), True), 10)
     assert not raised.value.answered and pool.open == 0
     await asyncio.wait_for(server.closed.wait(), 5)  # (the connection closed)

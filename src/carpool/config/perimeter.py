@@ -128,7 +128,8 @@ class IdempotencyConfig(Section):
         description="Bytes the in-process idempotency records hold: each finished or released "
         "record's stored response and its key, fingerprint and bookkeeping (0.5-0.7 KB "
         "besides its key and answer); beyond it, as `max_records`. Records being processed are "
-        "not counted (as many as requests in flight).",
+        "not counted (as many as requests in flight). What they hold: `/stats` `idempotency`, "
+        "`carpool_idempotency_bytes`.",
     )
     lease: float = Field(
         6.0,

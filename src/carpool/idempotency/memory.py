@@ -16,7 +16,8 @@ tenant, a key of up to 255 characters, a list item's index), fingerprint and tok
 and its place and node in ``finished``, and its stored response (body, headers: each pair's
 tuple and bytes). Not counted: the records being processed (as many as the requests in flight,
 never evicted), a tenant's own bookkeeping (~100 bytes a tenant holding records:
-``finished``), an ``asyncio.Event`` a waiter made while the record ran.
+``finished``), an ``asyncio.Event`` a waiter made while the record ran. ``/stats`` and
+``/metrics`` report it with ``kept`` and ``processing`` (``admin.gauges``).
 
 A PROCESSING record's lease does not run out while the task that began it runs: in one process
 an owner cannot die without its task ending, and a stream may outlive any fixed lease (its
@@ -110,6 +111,16 @@ class MemoryIdempotencyRecords:
 
     def __len__(self) -> int:
         return len(self._records) + len(self._running)
+
+    @property
+    def kept(self) -> int:
+        """The finished and RELEASED records held (expired ones until they are swept)."""
+        return len(self._records)
+
+    @property
+    def processing(self) -> int:
+        """The records being processed (as many as the keyed requests running here)."""
+        return len(self._running)
 
     @property
     def bytes(self) -> int:

@@ -152,6 +152,20 @@ def document() -> dict[str, Any]:
                                     "layers",
                                     "replicas",
                                 ],
+                                "properties": {
+                                    # (Left out for a library caller's own records.)
+                                    "idempotency": _object(
+                                        {
+                                            name: {"type": "integer", "minimum": 0}
+                                            for name in (
+                                                "records",
+                                                "processing",
+                                                "bytes",
+                                                "max_bytes",
+                                            )
+                                        }
+                                    ),
+                                },
                             },
                             "The counters.",
                         ),

@@ -11,9 +11,10 @@ Contract:
 - Counters and histograms (buckets, sums, counts) are summed sample by sample, labels and all:
   each request is counted by one worker (``metrics.COUNTED_ELSEWHERE``: a flight's call asked
   of the key's owner where its client is, a keyed request passed on whole where it runs), so
-  the sums are the run's. Gauges are summed too (flights, waiters, cache entries and bytes:
-  each worker's own), but for those that are a state or a rate, not an amount
-  (:data:`HIGHEST`: the highest of the workers', the conservative reading for an alert).
+  the sums are the run's. Gauges are summed too (flights, waiters, cache entries and bytes,
+  idempotency records and bytes: each worker's own), but for those that are a state or a
+  rate, not an amount (:data:`HIGHEST`: the highest of the workers', the conservative reading
+  for an alert).
 - The ``carpool_semantic_*`` series of the sum are labelled with at most ``METRIC_NAMESPACES``
   namespaces, as one worker's are, ranked by ``metrics.labelled``'s rule over the run's sums
   (:func:`_labelled_namespaces`); each worker renders every one of its own for the merge, else
@@ -27,12 +28,12 @@ Contract:
   worker that restarted (its counters start again from 0).
 - ``/stats`` stays the answering worker's document (its ``pid``), with ``run``
   (:func:`run_totals`): the workers' counters summed (``saved_fraction`` of the sums), their
-  flights, caches and replicas' calls summed, and per outcome the latency figures of the
-  worker whose are highest (percentiles do not add up), ``workers`` the documents summed and
-  ``pids`` their processes (sorted). The dashboard draws ``run`` when there is one: it polls on
-  one kept-alive connection, so one worker answered every poll, and its charts showed that
-  worker's traffic alone. ``pids`` tells it a run whose worker was replaced (its counters from 0
-  again) from the same run answered by another worker.
+  flights, caches, idempotency records (and their budgets) and replicas' calls summed, and per
+  outcome the latency figures of the worker whose are highest (percentiles do not add up),
+  ``workers`` the documents summed and ``pids`` their processes (sorted). The dashboard draws
+  ``run`` when there is one: it polls on one kept-alive connection, so one worker answered
+  every poll, and its charts showed that worker's traffic alone. ``pids`` tells it a run whose
+  worker was replaced (its counters from 0 again) from the same run answered by another worker.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     eligible = saved + run["misses"]
     run["saved_fraction"] = round(saved / eligible, 6) if eligible else 0.0
     layers: dict[str, dict[str, float]] = {}
+    idempotency: dict[str, float] = dict.fromkeys(_IDEMPOTENCY_SUMMED, 0)
     replicas: dict[str, dict[str, Any]] = {}
     latency: dict[str, dict[str, float]] = {}
     for doc in docs:
@@ -160,6 +162,10 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
             into = layers.setdefault(name, {"entries": 0, "bytes": 0})
             for field in ("entries", "bytes"):
                 into[field] += _number(layer.get(field))
+        records = doc.get("idempotency")
+        if isinstance(records, dict):
+            for field in _IDEMPOTENCY_SUMMED:
+                idempotency[field] += _number(records.get(field))
         for name, replica in _pairs(doc.get("replicas")):
             into = replicas.setdefault(name, {**replica, **dict.fromkeys(_REPLICA_SUMMED, 0)})
             for field in _REPLICA_SUMMED:
@@ -174,6 +180,7 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **run,
         "layers": layers,
+        "idempotency": idempotency,
         "replicas": replicas,
         "latency_ms": latency,
         "workers": len(docs),
@@ -181,6 +188,8 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# The idempotency records' figures summed over the workers (each holds its own keys').
+_IDEMPOTENCY_SUMMED = ("records", "processing", "bytes", "max_bytes")
 # A replica's figures summed over the workers, and its states from the best to the worst.
 _REPLICA_SUMMED = ("calls", "in_flight", "errors", "failures")
 _WORSE = {"healthy": 0, "probing": 1, "down": 2}

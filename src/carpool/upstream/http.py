@@ -642,7 +642,7 @@ class HttpUpstream:
         # bounded (counted as it comes).
         whole = not request.stream and request.max_answer_bytes is None
         try:
-            answer = await self._wire().request(head + body, whole)
+            answer = await self._wire().request(head, body, whole)
         except wire.WireError as exc:
             if isinstance(exc, wire.WireLocal):
                 raise overloaded(self.label, exc.reason) from exc

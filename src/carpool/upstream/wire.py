@@ -19,9 +19,13 @@ Contract:
   oldest one's ``keepalive_s``, traffic or none: after a burst, a server with no idle timeout
   of its own was left holding every connection until the gateway's next call) or the server
   closed it or sent anything unasked. ``monotonic`` (this module's) is the idle clock.
-- ``Pool.request(data, whole)`` sends ``data`` (a request's head and body) on one connection,
-  and returns an ``Answer`` once its status and headers have come, or (``whole``) once all of
-  it has. It is sent once: a POST may not be sent again once a server may have read it whole,
+- ``Pool.request(head, body, whole)`` sends a request's head and body on one connection, and
+  returns an ``Answer`` once its status and headers have come, or (``whole``) once all of it
+  has. A body of at most ``ONE_WRITE_BYTES`` goes with its head, in one write (a small call's
+  latency: one segment, one wake of the server); a larger one is written after its head, never
+  joined to it: the joined copy was one more copy of the body (a megabyte prompt, a megabyte)
+  held for the whole call, beside the body itself, kept for a resend (below). It is sent
+  once: a POST may not be sent again once a server may have read it whole,
   which no client can tell from a server that closed the connection just then (a drop 0.5 s
   into a generation and the keep-alive race read the same, a closed or reset connection with
   no byte of answer: sent again, a generation ran twice on its replica, and a third time on
@@ -128,6 +132,10 @@ from ..errors import RETRY_HEADERS
 from .proxy import Proxy
 
 monotonic = time.monotonic  # the idle clock (a test moves it)
+
+# The largest body written with its head in one write (``Pool.request``): joining them costs a
+# copy of it, a few microseconds here; a larger one is written apart, with no copy.
+ONE_WRITE_BYTES = 64 * 1024
 
 
 class WireError(Exception):
@@ -298,7 +306,7 @@ class Pool:
         self.resent = 0  # requests sent a second time (the keep-alive race, module contract)
         self._reaping: asyncio.TimerHandle | None = None  # (``_reap``, while any is idle)
 
-    async def request(self, data: bytes, whole: bool) -> Answer:
+    async def request(self, head: bytes, body: bytes, whole: bool) -> Answer:
         # Nobody waiting (the common case): the most recent idle one at once; else in turn.
         connection = None if self._waiting else self._idle()
         if connection is None:
@@ -309,7 +317,7 @@ class Pool:
             self.discard(connection)
             connection = await self._acquire(first=True, fresh=True)
         try:
-            return await self._exchange(connection, data, whole)
+            return await self._exchange(connection, head, body, whole)
         except WireError as failure:
             # Sent again only if the server cannot have read it whole (see the module's
             # contract): a kept connection dropped before the request went whole.
@@ -322,15 +330,24 @@ class Pool:
             ):
                 raise
         self.resent += 1
-        return await self._exchange(await self._acquire(first=True, fresh=True), data, whole)
+        connection = await self._acquire(first=True, fresh=True)
+        return await self._exchange(connection, head, body, whole)
 
-    async def _exchange(self, connection: Connection, data: bytes, whole: bool) -> Answer:
-        """``data`` sent on ``connection``, and its answer's head (or, ``whole``, all of it)."""
+    async def _exchange(
+        self, connection: Connection, head: bytes, body: bytes, whole: bool
+    ) -> Answer:
+        """``head`` and ``body`` sent on ``connection``, and its answer's head (or, ``whole``,
+        all of it)."""
         connection.begin()
         transport = connection.transport
         assert transport is not None  # (connected)
         try:
-            transport.write(data)
+            if len(body) <= ONE_WRITE_BYTES:
+                transport.write(head + body)
+            else:
+                # (Two writes, not ``writelines``: asyncio's joins its pieces on Python 3.11.)
+                transport.write(head)
+                transport.write(body)
         except (OSError, RuntimeError) as exc:  # (closed under it)
             self.discard(connection)
             raise WireError("connection failed") from exc
