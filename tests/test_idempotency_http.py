@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,16 +15,18 @@ import openai
 import orjson
 import pytest
 
+from carpool.apis.base import Api
 from carpool.clock import ManualClock
 from carpool.config import Config
-from carpool.idempotency.once import MAX_KEYED_ITEMS
+from carpool.idempotency import once
+from carpool.idempotency.once import MAX_KEYED_ITEMS, OFF_LOOP_BYTES
 from carpool.pipeline import Gateway
 from carpool.server import create_app
 from carpool.wiring import build_gateway
 from conftest import redis_settings, run_gateway
 from fakes.serving import ServedApp, serve_app_with_server
 from fakes.sizing import deep_size
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 KEY = {"Idempotency-Key": '"order-42"'}
 CHAT = "/v1/chat/completions"
@@ -340,6 +343,95 @@ async def test_a_replay_counts_the_tokens_it_saved_whole_or_streamed(gw, fake):
     assert last["saved_without_usage"] == 1
 
 
+def parses_of_whole_streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of each whole SSE body parsed from now on (``Api.stream_chunks``: every chunk
+    of a kept stream parsed as JSON), as it is parsed."""
+    parsed: list[int] = []
+    stream_chunks = Api.stream_chunks
+
+    def counted(self: Api, raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return stream_chunks(self, raw)
+
+    monkeypatch.setattr(Api, "stream_chunks", counted)
+    return parsed
+
+
+async def test_a_replay_of_a_kept_stream_parses_it_once_in_either_format(gw, fake, monkeypatch):
+    # Its form for the retry and the tokens it saved come from one parse: a long stream's
+    # chunks, all parsed twice on every retry, were most of what a replay cost.
+    _, first = await gw.stream_chat(headers=KEY)
+    parsed = parses_of_whole_streams(monkeypatch)
+    asked = {"stream_options": {"include_usage": True}}
+    for retry in (
+        gw.stream_chat(headers=KEY),
+        gw.stream_chat(headers=KEY, **asked),
+        gw.chat(headers=KEY),
+    ):
+        before = len(parsed)
+        done = await retry
+        response = done[0] if isinstance(done, tuple) else done
+        assert response.headers["idempotent-replayed"] == "true"
+        assert len(parsed) - before == 1
+    tokens = response.json()["usage"]["total_tokens"]  # (the JSON retry's)
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["hits"] == 3 and stats["tokens_saved"] == 3 * tokens and fake.count() == 1
+
+
+async def test_keyed_clients_of_one_shared_stream_are_kept_without_each_parsing_it(
+    fake, gateway_with, monkeypatch
+):
+    # Clients with keys of their own on one flight received the same frames, which the flight
+    # judged as they came: their records are kept by that answer (``Reply.answered``), not by
+    # each parsing the whole stream again at its end; a keyed hit of the answer too.
+    async with gateway_with(coalesce={"window_ms": 0}) as gw:
+        parsed = parses_of_whole_streams(monkeypatch)
+        fake.chunk_gate = asyncio.Event()  # (two words, then held until every client joined)
+        keys = [{"Idempotency-Key": f'"joiner-{i}"'} for i in range(4)]
+        clients = [asyncio.create_task(gw.stream_chat(headers=key)) for key in keys]
+        await eventually(lambda: gw.gateway.flights.waiters == 4, what="4 clients on the flight")
+        fake.chunk_gate.set()
+        streams = await asyncio.gather(*clients)
+        after = {"Idempotency-Key": '"after"'}
+        hit, _ = await gw.stream_chat(headers=after)
+        assert hit.headers["x-carpool"] == "hit"
+        assert parsed == [] and fake.count() == 1
+        for key, (_, raw) in zip([*keys, after], [*streams, (hit, None)], strict=True):
+            retry, again = await gw.stream_chat(headers=key)  # (each record kept)
+            assert retry.headers["idempotent-replayed"] == "true"
+            assert raw is None or again == raw
+        assert fake.count() == 1
+
+
+async def test_a_long_kept_stream_is_parsed_while_the_event_loop_serves_others(
+    gw, fake, monkeypatch
+):
+    # A sampled stream is bypassed: no flight's answer judges it, its record parses it, at its
+    # end and on each retry. A long one is parsed while the loop runs the other requests (every
+    # tenant's): the loop ran a callback scheduled as each parse began, before it ended.
+    loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
+    served: list[bool] = []  # one a parse of a long stream: whether the loop ran meanwhile
+    stream_chunks = Api.stream_chunks
+
+    def watched(self: Api, raw: bytes) -> Any:
+        if len(raw) > OFF_LOOP_BYTES:
+            ran = threading.Event()
+            loop.call_soon_threadsafe(ran.set)
+            # (On the loop's own thread nothing else runs until this parse returns.)
+            served.append(threading.get_ident() != loop_thread and ran.wait(WAIT_S))
+        return stream_chunks(self, raw)
+
+    monkeypatch.setattr(Api, "stream_chunks", watched)
+    fake.answer_text = lambda number, body: " ".join(["word"] * 1000)
+    response, first = await gw.stream_chat(temperature=0.9, headers=KEY)
+    assert response.headers["x-carpool"] == "bypass" and len(first) > OFF_LOOP_BYTES
+    retry, again = await gw.stream_chat(temperature=0.9, headers=KEY)
+    whole = await gw.chat(temperature=0.9, headers=KEY)
+    assert retry.headers["idempotent-replayed"] == whole.headers["idempotent-replayed"] == "true"
+    assert again == first and fake.count() == 1
+    assert served == [True, True, True]  # (its end, then one parse a retry)
+
+
 async def test_a_list_items_replayed_from_their_records_are_counted_as_hits(fake, gateway_with):
     async with gateway_with(coalesce={"window_ms": 0}) as gw:
         headers = {**KEY, "x-carpool-type": "factual"}
@@ -377,26 +469,61 @@ async def test_a_client_leaving_while_its_record_is_finished_is_counted_once_and
     # Its outcome was counted, then it was counted abandoned too; and the record's finish was
     # cancelled with the request, so a retry ran the generation again.
     records = gw.gateway.once.records
-    original, release, request_tasks = records.finish, asyncio.Event(), []
+    original, release, finishing = records.finish, asyncio.Event(), []
 
     async def held_finish(*args, **kwargs):  # as a slow Redis round trip would be
         await release.wait()
         return await original(*args, **kwargs)
 
     def finish(*args, **kwargs):
-        request_tasks.append(asyncio.current_task())
+        finishing.append(args)
         return held_finish(*args, **kwargs)
 
     records.finish = finish
     leaving = asyncio.create_task(gw.chat(temperature=0.9, headers=KEY))
-    await eventually(lambda: request_tasks, what="the record being finished")
+    await eventually(lambda: finishing, what="the record being finished")
     leaving.cancel()
-    await eventually(lambda: request_tasks[0].done(), what="the request's end")
+    await eventually(lambda: not gw.gateway.serving, what="the request's end")
     release.set()
     retry = await gw.chat(temperature=0.9, headers=KEY)
     assert retry.headers.get("idempotent-replayed") == "true" and fake.count() == 1
     stats = (await gw.client.get("/stats")).json()
     assert (stats["requests"], stats["abandoned"]) == (2, 0)
+
+
+async def test_a_long_answer_whose_client_leaves_while_it_is_judged_off_the_loop_is_kept(
+    gw, fake, monkeypatch
+):
+    # A long answer is judged on a worker thread (``once._off_loop``): a client leaving
+    # meanwhile cancels its request there, and the record is kept all the same, as when it
+    # leaves during the record's finish (above): not left processing for a retry to get 409.
+    judging, judged = threading.Event(), threading.Event()
+    is_final = once.is_final
+
+    def held(*args: Any) -> bool:
+        judging.set()
+        judged.wait(WAIT_S)
+        return is_final(*args)
+
+    records, kept = gw.gateway.once.records, asyncio.Event()
+    finish = records.finish
+
+    async def finished(*args: Any) -> bool:
+        done = await finish(*args)
+        kept.set()
+        return done
+
+    monkeypatch.setattr(once, "is_final", held)
+    monkeypatch.setattr(records, "finish", finished)
+    fake.answer_text = lambda number, body: " ".join(["word"] * 20_000)  # (JSON over 64 KiB)
+    leaving = asyncio.create_task(gw.chat(temperature=0.9, headers=KEY))
+    assert await asyncio.to_thread(judging.wait, WAIT_S)
+    leaving.cancel()
+    await eventually(lambda: not gw.gateway.serving, what="the request's end")
+    judged.set()
+    await asyncio.wait_for(kept.wait(), WAIT_S)
+    retry = await gw.chat(temperature=0.9, headers=KEY)
+    assert retry.headers.get("idempotent-replayed") == "true" and fake.count() == 1
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ Contract (CONTRACT.md "Streaming"):
 - Frames are kept in one shared list, not copied per client: memory is one answer, not N (and
   at most one joined piece per client, which its transport holds until the client reads, or,
   under ``carpool serve``, until it has read nothing for ``limits.send_timeout``: then it is
-  cut, and lets go of the flight).
+  cut, and lets go of the flight). ``whole``: the frames joined with their end, once, for the
+  idempotency records of its keyed clients (``Relay.with_usage``): one copy for all of them.
 - ``wait_started`` returns once there is a frame or an ending; ``wait_done`` once there is an
   ending; ``wait_changed`` once anything was published or it ended (or at once if it has). All
   can be bounded by the caller with ``asyncio.timeout``; a waiter costs one future, and a
@@ -103,6 +104,7 @@ class Broadcast:
         "kept_for",
         "labels",
         "kept",
+        "whole",
         "on_publish",
         "on_abandoned",
         "_waiters",
@@ -126,6 +128,7 @@ class Broadcast:
         self.kept_for: Any = None  # (a joiner that keeps what its no-store leader will not)
         self.labels: Labels | None = None  # (what an invalidation names the answer by)
         self.kept = False  # (a cache keeps the answer: the window's copy is not its only one)
+        self.whole: bytes | None = None  # (the frames and the stream's end, once it ended whole)
         self.on_publish: Callable[[], None] | None = None
         self.on_abandoned: Callable[[Callable[[], object]], None] | None = None
         self._waiters: list[asyncio.Future[None]] | None = None  # (a list while some wait)

@@ -62,7 +62,8 @@ Contract:
 - ``Relay``: a flight's stream for one client, framed as its API frames streams, ending with the
   API's error event if the flight failed; it says when it gave its last piece (``ended``), for a
   writer to end the response with it, and, once it ended whole, the stream with the usage chunk
-  its client may not have asked for (``with_usage``).
+  its client may not have asked for (``with_usage``: joined once for all the flight's clients)
+  and the answer the flight assembled of it (``answered``).
 """
 
 from __future__ import annotations
@@ -671,11 +672,21 @@ class Relay:
 
     def with_usage(self) -> bytes | None:
         """The flight's stream with its usage chunk, as a client that asked for it receives it
-        (``Reply.with_usage``), once it ended whole; None if it has not, or failed."""
-        broadcast = self.broadcast
-        if broadcast.answer is None or broadcast.error is not None:
+        (``Reply.with_usage``), once it ended whole; None if it has not, or failed. Joined once
+        for all the flight's clients (``Broadcast.whole``): the records of its keyed clients
+        hold one copy of it, not one each."""
+        if self.answered() is None:
             return None
-        return b"".join(broadcast.frames) + self.api.stream_end
+        broadcast = self.broadcast
+        if broadcast.whole is None:
+            broadcast.whole = b"".join(broadcast.frames) + self.api.stream_end
+        return broadcast.whole
+
+    def answered(self) -> Answer | None:
+        """The answer the flight's stream made (``Reply.answered``), once it ended whole; None
+        if it has not, or failed."""
+        broadcast = self.broadcast
+        return broadcast.answer if broadcast.error is None else None
 
 
 async def _pipe(

@@ -592,7 +592,10 @@ class Gateway:
                 stream=relay,
                 outcome=outcome,
                 on_close=ticket.release,
-                with_usage=None if request.include_usage else relay.with_usage,
+                # (To a client that asked for the usage too: the stream it is sent, which an
+                # idempotency record keeps, joined once for the flight, not copied as it goes.)
+                with_usage=relay.with_usage,
+                answered=relay.answered,
             )
         ticket.release()
         if broadcast.error is not None:

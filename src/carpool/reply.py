@@ -13,6 +13,8 @@ Contract:
 - ``Reply.with_usage``: a streaming client's reply without the usage chunk it did not ask
   for (``whole``'s, a flight's ``Relay``, a bypassed stream asked with it) gives its stream
   with that chunk at its place, once it ended whole: what an idempotency record keeps.
+  ``Reply.answered``: the answer such a stream makes (a flight's, assembled once for all its
+  clients; a whole answer's own), by which that record judges it without parsing it again.
 - ``whole``: a whole answer as JSON, or as SSE for a streaming client (with the final usage
   chunk if it asked for it; an answer whose frames are longer than a slice as ``parts``, its
   own frames, not joined, however short its body), ``age`` on a hit, ``Cache-Control:
@@ -97,8 +99,16 @@ class Reply:
     # A streaming client's reply without the usage chunk it did not ask for: its stream with
     # it, as a client that asked for it gets it, once the stream ended whole (None if it did
     # not). What an idempotency record keeps (``idempotency.once``): a retry may ask for the
-    # usage, or for JSON, which has it. None: the reply is all there is of its answer.
+    # usage, or for JSON, which has it. None: the reply is all there is of its answer. (A
+    # flight's relay gives it to a client that asked for the usage too: its own stream, which
+    # its record then need not copy as it is sent.)
     with_usage: Callable[[], bytes | None] | None = field(default=None, repr=False)
+    # The answer a streaming client's stream makes, once it ended whole (None before, or if it
+    # failed): the one its flight assembled for all its clients as the chunks came (``Relay``),
+    # or the whole answer its SSE was made of (``whole``). An idempotency record judges the
+    # stream by it (``final.answer_is_final``), not by parsing every chunk again, once for
+    # each keyed client of the flight.
+    answered: Callable[[], Answer | None] | None = field(default=None, repr=False)
 
     @classmethod
     def parted(
@@ -235,6 +245,7 @@ def whole(
         reply = Reply.parted(200, headers, (frames, (api.stream_end,)), outcome)
     if not include_usage:
         reply.with_usage = partial(_with_usage, answer)
+    reply.answered = lambda: answer  # (a stream of a whole answer; not of a failure, above)
     return reply
 
 

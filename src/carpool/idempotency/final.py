@@ -1,5 +1,6 @@
-"""Final or retryable (``is_final``; the table is its docstring), the replay's format
-(``replay_as``), and the tokens a replay saved (``saved_tokens``).
+"""Final or retryable (``is_final``; the table is its docstring; ``answer_is_final``: a stream
+judged by the answer its flight assembled), the replay's format (``replay_as``), and the tokens
+a replay saved (``saved_tokens``; both at once, from one parse: ``replayed``).
 
 Final or retryable
 - Only a request the upstream executed is frozen as its final answer (the draft's and Stripe's
@@ -96,11 +97,35 @@ def is_final(kind: str, response: StoredResponse, asked: dict[str, Any] | None =
     return 500 <= status <= 511 and status not in _NOT_REACHED
 
 
+def answer_is_final(kind: str, answer: Answer, asked: dict[str, Any] | None = None) -> bool:
+    """``is_final`` of a 2xx stream that ended whole (``[DONE]`` or its last event, no error
+    event) and made ``answer``: as its flight assembled it once for all its clients, which
+    judged its chunks as they came (``exchange``) or a whole answer's body (``reply.whole``).
+    Judged by that answer, not by parsing the stream again: complete, or else an answer the
+    upstream executed (``Api.final`` of its body, one JSON object, not one a chunk). Its
+    ``complete`` was judged against its flight's request, which asked as ``asked`` does (one
+    key, one ``n``)."""
+    if answer.complete:
+        return True
+    api = APIS.get(kind)
+    body = _json_body(answer.body)
+    return api is not None and body is not None and api.final(body, asked)
+
+
 def replay_as(
     response: StoredResponse, kind: str, stream: bool, include_usage: bool
 ) -> StoredResponse | None:
     """``response`` as a retry asks for it (``stream``, ``include_usage``), or None when it has
-    no faithful form in that format (then: ``IdempotencyFormatMismatch``).
+    no faithful form in that format (then: ``IdempotencyFormatMismatch``): ``replayed``'s."""
+    return replayed(response, kind, stream, include_usage)[0]
+
+
+def replayed(
+    response: StoredResponse, kind: str, stream: bool, include_usage: bool
+) -> tuple[StoredResponse | None, int | None]:
+    """(``response`` as a retry asks for it, or None; the tokens the replay saved:
+    ``saved_tokens``), from one parse of the stored answer: a long stream's is most of what a
+    replay costs (every chunk parsed and assembled), and both are read from it.
 
     A 2xx answer of an API with streams (``carpool.apis``: chat, completions, Responses,
     Messages) is served as a hit of it would be (``reply.whole``: ``Answer.sse``, ``usage_said``):
@@ -111,23 +136,26 @@ def replay_as(
     embedding) is as it is in its own format, and has no form in the other: the upstream might
     have answered the other format differently."""
     api = APIS.get(kind)
+    same = response if response.streamed == stream else None
     if not 200 <= response.status < 300 or api is None or not api.streams:
-        return response if response.streamed == stream else None
+        return same, saved_tokens(kind, response) if same is not None else None
     if response.streamed:
         answer = _stream_answer(api, kind, response.body)
     elif stream:
         answer = _json_answer(api, kind, response.body)
     else:
-        return response  # (its body as it is, and what it said of its usage)
+        # (Its body as it is, and what it said of its usage; its tokens: one JSON body's.)
+        return response, saved_tokens(kind, response)
     if answer is None:  # (a stream not whole, a body not complete: as it is, if at all)
-        return response if response.streamed == stream else None
+        # (No answer, no tokens: ``saved_tokens`` finds none in it either.)
+        return same, 0 if same is not None else None
     headers = [SSE if stream else JSON]
     said = usage_said(answer, stream, include_usage)
     if said is not None:
         headers.append(said)
     return StoredResponse(
         response.status, headers, sse_of(answer, include_usage) if stream else answer.body, stream
-    )
+    ), answer.tokens
 
 
 def saved_tokens(kind: str, response: StoredResponse) -> int | None:

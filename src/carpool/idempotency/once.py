@@ -41,6 +41,12 @@ Contract:
   retry may ask for, or a JSON retry, whose body has it. One that ended with an error event,
   or whose client left, is dropped. The record is dropped too when the request fails or is
   cancelled before its answer (shielded: a cancelled task still drops it).
+- What a key costs a stream: a flight's stream is judged by the answer the flight assembled as
+  it came (``Reply.answered``), not parsed again by each keyed client, whose records hold the
+  flight's frames joined once (``Relay.with_usage``); a replay parses its record once
+  (``replayed``); a record longer than ``OFF_LOOP_BYTES`` is parsed on a worker thread, so
+  the event loop serves the other requests meanwhile (``_off_loop``), its record still settled
+  if its client leaves then.
 - A list input (``list_items``) has one record for the list and one per item (the list's key +
   ``"\\n"`` + index): an item's record is finished only with a complete 2xx answer, and the
   list's only when every item has one; otherwise the list's record is released (``release``:
@@ -57,13 +63,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import orjson
 
 from .. import exact_json
+from ..answer import Answer
 from ..canonical import names_of
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
@@ -81,7 +89,7 @@ from .errors import (
     IdempotencyResponseNotKept,
     IdempotencyUnavailable,
 )
-from .final import is_final, replay_as, saved_tokens
+from .final import answer_is_final, is_final, replay_as, replayed, saved_tokens
 from .header import HEADER, HEADER_ALIAS, REPLAYED_HEADER
 from .records import IdempotencyRecords, StoredResponse
 
@@ -91,6 +99,11 @@ MAX_KEYED_ITEMS = 2048
 
 # ``Gateway._answer``: a request's reply, however it is answered (cache, flight, bypass).
 Answering = Callable[[ClientRequest, Request, Fingerprint, str], Awaitable[Reply]]
+
+# A stored answer longer than this is parsed on a worker thread (``_off_loop``: its verdict, its
+# replay), not on the event loop, which every tenant's requests share: a long stream's chunks
+# are parsed one by one (tens of microseconds each), about 10 ms for this many bytes of them.
+OFF_LOOP_BYTES = 64 * 1024
 
 
 def scope_of(key: Fingerprint, idempotency_key: str, request: Request, config: Config) -> str:
@@ -193,10 +206,18 @@ class AtMostOnce:
             assert begin.response is not None
             if _not_kept(begin.response):  # (in any format: no answer is replayed)
                 return self._refused(_why_not_kept(begin.response), request)
-            stored = replay_as(begin.response, request.kind, request.stream, request.include_usage)
+            # (Its form for the retry and the tokens it saved, from one parse of its answer.)
+            stored, tokens = await _off_loop(
+                len(begin.response.body),
+                replayed,
+                begin.response,
+                request.kind,
+                request.stream,
+                request.include_usage,
+            )
             if stored is None:
                 return self._refused(IdempotencyFormatMismatch(begin.response.streamed), request)
-            self._replayed(route, request.kind, begin.response)
+            self._replayed(route, tokens)
             headers = [*stored.headers, Outcome.HIT.header, REPLAYED_HEADER]
             if stored.status >= 500:
                 headers.append(_NOT_RETRIED)
@@ -265,10 +286,9 @@ class AtMostOnce:
                 request.stream,
                 self._made(reply),
             )
-            if is_final(request.kind, stored, request.body):
-                await _settle(records.finish(scoped, token, stored))
-            else:
-                await _settle(records.abandon(scoped, token))  # retryable: a retry runs again
+            await _settle(
+                _kept(records, scoped, token, request.kind, stored, request.body, reply.answered)
+            )
         else:
             recorded = _Recorded(
                 records,
@@ -284,6 +304,7 @@ class AtMostOnce:
                 ),
                 request.body,
                 reply.with_usage,
+                reply.answered,
                 settled,
             )
             reply.stream = _recorded(reply.stream, recorded)
@@ -308,11 +329,11 @@ class AtMostOnce:
         self.stats.rejected += 1
         return refusal(error, request.api)
 
-    def _replayed(self, route: str, kind: str, response: StoredResponse) -> None:
+    def _replayed(self, route: str, tokens: int | None) -> None:
         """A replay counted as the hit it is, with the tokens its answer's usage says it saved
-        (the retry's generation was not run again), as ``Gateway._saved`` counts a hit's."""
+        (``saved_tokens``: the retry's generation was not run again), as ``Gateway._saved``
+        counts a hit's."""
         self.stats.count(route, Outcome.HIT)
-        tokens = saved_tokens(kind, response)
         if tokens is not None:
             self.stats.tokens_saved += tokens
             self.stats.saved_without_usage += tokens == 0
@@ -347,7 +368,7 @@ class AtMostOnce:
                 if _not_kept(begin.response):  # (the list's answer: this item's, below)
                     self.stats.rejected += 1
                     return begin.response, Outcome.BYPASS, None
-                self._replayed(route, request.kind, begin.response)
+                self._replayed(route, saved_tokens(request.kind, begin.response))
                 return begin.response, Outcome.HIT, self._age(begin.response)
             if begin.state != "new" or begin.token is None:
                 error = (
@@ -455,8 +476,9 @@ _NOT_RETRIED = (b"x-should-retry", b"false")
 class _Recorded:
     """The idempotency record of a stream being relayed (``_recorded``), settled once: finished
     with the stream whole, as a client that asked for the usage receives it (``with_usage``;
-    else what the client received), if that is final (``is_final``), else dropped (the stream
-    ended with an error event, or its client left), so that a retry runs again."""
+    else what the client received), if that is final (``is_final``; ``answer_is_final`` by the
+    answer its flight assembled, where the reply has it: ``answered``), else dropped (the
+    stream ended with an error event, or its client left), so that a retry runs again."""
 
     __slots__ = (
         "records",
@@ -466,6 +488,7 @@ class _Recorded:
         "head",
         "asked",
         "with_usage",
+        "answered",
         "settled",
         "on_settled",
     )
@@ -479,12 +502,14 @@ class _Recorded:
         head: StoredResponse,
         asked: dict[str, Any],
         with_usage: Callable[[], bytes | None] | None = None,
+        answered: Callable[[], Answer | None] | None = None,
         on_settled: Callable[[], None] | None = None,
     ) -> None:
         self.records, self.key, self.token, self.kind = records, key, token, kind
         self.head = head  # status, headers and format; the frames are the body
         self.asked = asked  # the request's body (how many choices make it whole)
         self.with_usage = with_usage  # (``Reply.with_usage``)
+        self.answered = answered  # (``Reply.answered``)
         self.settled = False
         self.on_settled = on_settled  # (``AtMostOnce._settled``: no retry keeps the run now)
 
@@ -493,21 +518,24 @@ class _Recorded:
         if self.on_settled is not None:
             self.on_settled()
 
-    async def end(self, frames: list[bytes]) -> None:
+    async def end(self, sent: list[bytes] | None) -> None:
+        """The stream ended: its record is settled (``sent``: the frames its client was sent,
+        kept only where the reply has no ``with_usage``), to its end even if the request is
+        cancelled meanwhile (``_settle``), its verdict too (``_final``: a long stream's may be
+        judged on a worker thread)."""
         self._settling()
+        await _settle(self._keep(sent))
+
+    async def _keep(self, sent: list[bytes] | None) -> None:
         head = self.head
-        whole = self.with_usage() if self.with_usage is not None else None
-        stored = StoredResponse(
-            head.status,
-            head.headers,
-            b"".join(frames) if whole is None else whole,
-            head.streamed,
-            head.created,
+        whole = self.with_usage() if self.with_usage is not None else b"".join(sent or ())
+        if whole is None:  # (``with_usage``: the stream did not end whole, or failed)
+            await self.records.abandon(self.key, self.token)
+            return
+        stored = StoredResponse(head.status, head.headers, whole, head.streamed, head.created)
+        await _kept(
+            self.records, self.key, self.token, self.kind, stored, self.asked, self.answered
         )
-        if is_final(self.kind, stored, self.asked):
-            await _settle(self.records.finish(self.key, self.token, stored))
-        else:
-            await _settle(self.records.abandon(self.key, self.token))
 
     async def drop(self) -> None:
         self._settling()
@@ -557,11 +585,15 @@ class _Keeping:
 
 
 async def _recorded(frames: AsyncIterator[bytes], recorded: _Recorded) -> AsyncIterator[bytes]:
-    """Relay a stream and keep it whole: the record stores it once it ended, if final."""
-    sent: list[bytes] = []
+    """Relay a stream and keep it whole: the record stores it once it ended, if final. The
+    frames are kept as they are sent only where the reply has no ``with_usage`` to give the
+    stream whole at its end: a flight's relay gives its flight's, joined once for all its
+    clients (``Relay.with_usage``), not copied by each keyed client as it goes."""
+    sent: list[bytes] | None = [] if recorded.with_usage is None else None
     try:
         async for frame in frames:
-            sent.append(frame)
+            if sent is not None:
+                sent.append(frame)
             yield frame
     except BaseException:
         await _shielded(recorded.drop())
@@ -574,6 +606,59 @@ def _item_failed(index: int | None) -> StoredResponse:
     which = f"item {index}" if index is not None else "an item"
     error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete answer")
     return StoredResponse(error.status, _replayable(error_reply(error, None).headers), error.body())
+
+
+_Ts = TypeVarTuple("_Ts")
+_T = TypeVar("_T")
+
+
+# The thread of ``_off_loop``'s parses, one at a time: they hold the GIL, so more threads would
+# finish none sooner, and each holds a whole stream's chunks parsed until it ends (twenty
+# retries at once held twenty).
+_PARSING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="carpool-idempotency")
+
+
+async def _off_loop(size: int, parse: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
+    """``parse(*args)`` of a stored answer of ``size`` bytes: on a worker thread (``_PARSING``)
+    when it is longer than ``OFF_LOOP_BYTES``, so that the event loop serves every other
+    request meanwhile (the parse holds the GIL still, but by turns: the loop waits a switch
+    interval at a time, not the whole parse); a short one here, where a thread costs more."""
+    if size <= OFF_LOOP_BYTES:
+        return parse(*args)
+    return await asyncio.get_running_loop().run_in_executor(_PARSING, parse, *args)
+
+
+async def _final(
+    kind: str,
+    stored: StoredResponse,
+    asked: dict[str, Any],
+    answered: Callable[[], Answer | None] | None,
+) -> bool:
+    """Whether ``stored`` is final (``is_final``): judged by the answer its stream made where
+    its reply gives it (``Reply.answered``: assembled once for all its flight's clients as its
+    chunks came), else by parsing it (off the event loop if it is long: ``_off_loop``)."""
+    answer = answered() if answered is not None else None
+    if answer is not None:
+        return answer_is_final(kind, answer, asked)
+    return await _off_loop(len(stored.body), is_final, kind, stored, asked)
+
+
+async def _kept(
+    records: IdempotencyRecords,
+    key: str,
+    token: str,
+    kind: str,
+    stored: StoredResponse,
+    asked: dict[str, Any],
+    answered: Callable[[], Answer | None] | None,
+) -> None:
+    """``stored`` kept by the record of ``key`` if it is final (``_final``), else the record
+    dropped: the answer is retryable, a retry runs again. Under ``_settle``: the request may be
+    cancelled while a long answer is judged on a worker thread, and the record still settles."""
+    if await _final(kind, stored, asked, answered):
+        await records.finish(key, token, stored)
+    else:
+        await records.abandon(key, token)
 
 
 async def _settle(work: Any) -> Any:
