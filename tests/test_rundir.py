@@ -42,3 +42,33 @@ def test_a_sweep_where_flock_is_refused_removes_nothing(
     monkeypatch.setattr(rundir.fcntl, "flock", _refuse)
     assert rundir.sweep(str(tmp_path)) == []
     assert (live / "config.yaml").is_file()
+
+
+def test_a_stop_the_moment_the_runs_directory_is_made_still_removes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGTERM (the run's start-up handler raises SystemExit) that came right after mkdtemp,
+    # before the context's ``try``, left the directory behind (a CI run's
+    # test_a_sigterm_as_the_run_starts_its_workers_leaves_nothing, which aims at that moment).
+    import os
+    import signal
+    import tempfile
+
+    made = tempfile.mkdtemp
+
+    def made_then_stopped(**where: str) -> str:
+        directory = made(**where)
+        os.kill(os.getpid(), signal.SIGTERM)  # (its handler runs as soon as it may)
+        return directory
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    monkeypatch.setattr(rundir.tempfile, "mkdtemp", made_then_stopped)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit), rundir.run_directory(str(tmp_path)):
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,8 @@ Contract:
 - ``run_directory(parent)`` (the parent process, as it starts the workers): first removes the
   directories dead runs left in ``parent`` (``sweep``), then makes this run's,
   ``carpool-run-XXXXXXXX`` (0700: ``tempfile.mkdtemp``), and holds a shared ``flock`` on it
-  until the context exits, when it removes the directory (whatever in it is gone already).
+  until the context exits, when it removes the directory (whatever in it is gone already),
+  a stop that comes as it is made included (SIGTERM and SIGINT are noted until then).
   A file system that refuses ``flock`` (NFS without lockd) leaves it unlocked, with a warning
   (with Redis the run needs no other lock: it started there before the directory had one).
   It holds what every worker reads as it starts, for the whole run (uvicorn starts one in
@@ -29,12 +30,17 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PREFIX = "carpool-run-"
+
+# The signals that stop a run, noted while its directory is made (``run_directory``).
+_STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 log = logging.getLogger("carpool.rundir")
 
@@ -43,13 +49,24 @@ log = logging.getLogger("carpool.rundir")
 def run_directory(parent: str) -> Iterator[Path]:
     """This run's directory in ``parent``, locked while the context lasts, then removed."""
     sweep(parent)
-    directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+    # A stop (SIGTERM, Ctrl-C) is only noted while the directory is made, and comes once the
+    # ``try`` that removes it is entered: one that came right after ``mkdtemp`` left it (and
+    # the run's keys, later). Its handlers are swapped, not the signals masked: a mask is one
+    # thread's, and the process's other threads would take the signal for it.
+    noted: list[int] = []
+    handlers = _noting(noted)
     try:
-        lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+        try:
+            lock = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except BaseException:
+            os.rmdir(directory)
+            raise
     except BaseException:
-        os.rmdir(directory)
+        _restored(handlers, noted)
         raise
     try:
+        _restored(handlers, noted)  # (a stop noted comes here, with its own handler)
         try:
             # (Blocking: a sweep of another run starting now may hold it for a moment; it
             # leaves an empty directory alone, and this one is empty until locked.)
@@ -68,6 +85,25 @@ def run_directory(parent: str) -> Iterator[Path]:
         # cleaner that ignores locks took already is no error (the run ends as it should).
         shutil.rmtree(directory, ignore_errors=True)
         os.close(lock)
+
+
+def _noting(noted: list[int]) -> dict[int, Any]:
+    """The stop signals' handlers, swapped for ones that note them in ``noted`` (none swapped
+    outside the main thread, where no handler can be set: there none runs either)."""
+    handlers: dict[int, Any] = {}
+    with contextlib.suppress(ValueError):
+        for signum in _STOPS:
+            handlers[signum] = signal.signal(signum, lambda signum, frame: noted.append(signum))
+    return handlers
+
+
+def _restored(handlers: dict[int, Any], noted: list[int]) -> None:
+    """The handlers ``_noting`` swapped put back, and the signals noted meanwhile raised again,
+    each now to its own handler."""
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    for signum in dict.fromkeys(noted):
+        signal.raise_signal(signum)
 
 
 def sweep(parent: str) -> list[Path]:

@@ -72,6 +72,10 @@ class Supervisor(Multiprocess):
                 except (OSError, EOFError, pickle.UnpicklingError):
                     return False
                 return True
+            if self._stopping():
+                # (A Ctrl-C reaches the whole group: its workers die of it in this very wait,
+                # and a False would start another before the stop is handled.)
+                return True
             if ready:
                 return False  # (exited while checked)
         return True
