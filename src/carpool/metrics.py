@@ -345,6 +345,9 @@ class _StatsCollector(Collector):
         yield from _semantic_audit(g, None if self.every_namespace else METRIC_NAMESPACES)
 
 
+# The fields of ``/stats`` ``idempotency`` (``admin.idempotency_records``), for the workers' sum
+# (``peers.metrics.run_totals``) and the OpenAPI document.
+IDEMPOTENCY_FIGURES = ("records", "processing", "bytes", "max_bytes")
 # The idempotency records' gauges: (name, field of ``admin.idempotency_records``, help).
 _IDEMPOTENCY = (
     (

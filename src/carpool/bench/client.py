@@ -275,8 +275,9 @@ def fetch(
 
 
 # Proxies left out (HTTP_PROXY and the like), as the load client (``Conn``) leaves them (the
-# gateway uses them for its upstreams and judge only, never for a loopback host): urlopen's own opener sent a run's setup and checks through one, and the
-# embedded gateway's probes on loopback too (a run failed as if it never started).
+# gateway uses them for its upstreams and judge only, never for a loopback host): urlopen's own
+# opener sent a run's setup and checks through one, and the embedded gateway's probes on
+# loopback too (a run failed as if it never started).
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 

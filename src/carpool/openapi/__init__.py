@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..metrics import IDEMPOTENCY_FIGURES
 from .operations import cached_endpoint, json_response, typed_events
 from .schemas import SCHEMAS, ref
 
@@ -157,12 +158,7 @@ def document() -> dict[str, Any]:
                                     "idempotency": _object(
                                         {
                                             name: {"type": "integer", "minimum": 0}
-                                            for name in (
-                                                "records",
-                                                "processing",
-                                                "bytes",
-                                                "max_bytes",
-                                            )
+                                            for name in IDEMPOTENCY_FIGURES
                                         }
                                     ),
                                 },

@@ -46,7 +46,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from ..metrics import METRIC_NAMESPACES
+from ..metrics import IDEMPOTENCY_FIGURES, METRIC_NAMESPACES
 
 __all__ = ["HIGHEST", "merge", "run_totals"]
 
@@ -154,7 +154,7 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     eligible = saved + run["misses"]
     run["saved_fraction"] = round(saved / eligible, 6) if eligible else 0.0
     layers: dict[str, dict[str, float]] = {}
-    idempotency: dict[str, float] = dict.fromkeys(_IDEMPOTENCY_SUMMED, 0)
+    idempotency: dict[str, float] = dict.fromkeys(IDEMPOTENCY_FIGURES, 0)
     replicas: dict[str, dict[str, Any]] = {}
     latency: dict[str, dict[str, float]] = {}
     for doc in docs:
@@ -162,9 +162,9 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
             into = layers.setdefault(name, {"entries": 0, "bytes": 0})
             for field in ("entries", "bytes"):
                 into[field] += _number(layer.get(field))
-        records = doc.get("idempotency")
+        records = doc.get("idempotency")  # (each worker holds its own keys': summed)
         if isinstance(records, dict):
-            for field in _IDEMPOTENCY_SUMMED:
+            for field in IDEMPOTENCY_FIGURES:
                 idempotency[field] += _number(records.get(field))
         for name, replica in _pairs(doc.get("replicas")):
             into = replicas.setdefault(name, {**replica, **dict.fromkeys(_REPLICA_SUMMED, 0)})
@@ -188,8 +188,6 @@ def run_totals(docs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# The idempotency records' figures summed over the workers (each holds its own keys').
-_IDEMPOTENCY_SUMMED = ("records", "processing", "bytes", "max_bytes")
 # A replica's figures summed over the workers, and its states from the best to the worst.
 _REPLICA_SUMMED = ("calls", "in_flight", "errors", "failures")
 _WORSE = {"healthy": 0, "probing": 1, "down": 2}
