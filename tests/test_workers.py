@@ -417,3 +417,61 @@ async def test_a_worker_that_dies_while_its_health_check_is_awaited_is_replaced_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_path):
+    """A SIGHUP restarts the workers one by one, each new one awaited until it is ready (up to
+    WORKER_HEALTHCHECK_S, 30 s). A SIGTERM meanwhile waited for that restart: uvicorn's
+    restart looks at its exit flag, which the signal sets only once handled, after the restart.
+    Now the stop ends the restart at once: status 0, every worker ended (the one awaited too),
+    the run's directory gone."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary), "STALL_WHEN_ASKED": "1"}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stalled=stalled)
+    try:
+        await eventually(
+            lambda: (
+                log.read_text().count("Application startup complete") == 2
+                or proc.poll() is not None
+            ),
+            what="both workers serving",
+        )
+        assert proc.poll() is None, log.read_text()[-2000:]
+        (
+            stalled / "stall.asked"
+        ).touch()  # (the workers the restart starts never say they are ready)
+        os.kill(proc.pid, signal.SIGHUP)
+        await eventually(
+            lambda: len(_stalled_workers(stalled)[1]) == 1 or proc.poll() is not None,
+            what="the restart awaiting its first new worker",
+            state=lambda: _stalled_workers(stalled),
+        )
+        assert proc.poll() is None, log.read_text()[-2000:]
+        stopped_at = time.monotonic()
+        proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+        took = time.monotonic() - stopped_at
+        # (Bounded well under the restart's wait for its new worker, which is what it took.)
+        assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
+        started, _ = _stalled_workers(stalled)
+        assert len(started) == 3, started  # (the restart started no other)
+        assert not any(_running(pid) for pid in started)
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temporary, ignore_errors=True)

@@ -12,6 +12,12 @@ uvicorn waited the whole timeout on the pipe, which a signal does not end (the c
 once the handler has queued it) and a dead worker does not either (the supervisor holds the
 pipe's other end too): a Ctrl-C as the workers started, killing each in its imports before
 its health-check thread ran, stopped the run 30 s later, after starting new workers.
+
+A SIGHUP's restart (uvicorn's, one worker at a time, each new one awaited until it is ready, up
+to that same timeout) ends as soon as a SIGINT or SIGTERM reaches the supervisor, as it does
+when the run's exit flag is set: the worker awaited is killed, the old ones left to the stop.
+uvicorn's restart looked at that flag only, which the signal sets once handled, after the
+restart: a stop during it waited for it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import functools
 import pickle
 import signal
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from uvicorn.supervisors import Multiprocess
@@ -41,6 +49,15 @@ class Supervisor(Multiprocess):
         for worker in self.processes:
             worker.is_alive = functools.partial(self._answers, worker)  # type: ignore[method-assign]
         super().keep_subprocess_alive()
+
+    def restart_all(self) -> None:
+        # uvicorn's restart reads ``should_exit``, which a stop queued meanwhile has not set yet.
+        run_exit = self.should_exit
+        self.should_exit = _ExitOrStop(run_exit, self._stopping)
+        try:
+            super().restart_all()
+        finally:
+            self.should_exit = run_exit
 
     def _stopping(self) -> bool:
         """Whether a stopping signal is queued, for the supervisor to handle after this round."""
@@ -79,3 +96,15 @@ class Supervisor(Multiprocess):
             if ready:
                 return False  # (exited while checked)
         return True
+
+
+class _ExitOrStop(threading.Event):
+    """The run's exit flag as a restart reads it: set, or a stop queued (``is_set`` only)."""
+
+    def __init__(self, run_exit: threading.Event, stopping: Callable[[], bool]) -> None:
+        super().__init__()
+        self._run_exit = run_exit
+        self._stopping = stopping
+
+    def is_set(self) -> bool:
+        return self._run_exit.is_set() or self._stopping()

@@ -2,7 +2,9 @@
 answer it (as one whose thread gets no turn: a call holding the GIL, a stalled machine), so
 that uvicorn's supervisor waits on that answer. Each worker, as it starts, writes a file named
 by its pid in the directory ``STALLED_DIR`` names, and ``PID.pinged`` there once it has read
-its first ping: the supervisor is then waiting on it.
+its first ping: the supervisor is then waiting on it. With ``STALL_WHEN_ASKED`` set, only the
+workers started once a file named ``stall.asked`` is there stall (those of a SIGHUP's restart); the
+others answer as uvicorn's do.
 
 A spawned worker runs this script as its main module (``__mp_main__``) before it unpickles
 what it runs: uvicorn's ``Process.pong`` is replaced there, in the workers only."""
@@ -23,7 +25,8 @@ if __name__ == "__mp_main__":
         threading.Event().wait()  # (never answered; a daemon thread: the worker still exits)
 
     (_stalled / str(os.getpid())).touch()
-    multiprocess.Process.pong = _stalled_pong
+    if not os.environ.get("STALL_WHEN_ASKED") or (_stalled / "stall.asked").exists():
+        multiprocess.Process.pong = _stalled_pong
 else:
     from carpool.cli import main
 
