@@ -1064,7 +1064,9 @@ def two_semantic(fake, shared_redis):
     from conftest import redis_settings, run_gateway
 
     @contextlib.asynccontextmanager
-    async def start(distributed=None, clock_b=None, **extra):
+    async def start(distributed=None, clock_b=None, later=False, **extra):
+        """Two instances A and B, started; ``later``: and a third, ``run_later()``, an
+        async context manager that starts it when the test says (A's config)."""
         # Redis's timeouts generous: a connection that took over 0.25 s on the busy CI machine
         # put an instance in degraded mode for 0.1 s, and the semantic record it was writing
         # then was its alone (by design), never reaching the other one the test waited on.
@@ -1079,9 +1081,12 @@ def two_semantic(fake, shared_redis):
             run_gateway([fake.url], **shared) as a,
             run_gateway([fake.url], clock_b or SYSTEM_CLOCK, **shared) as b,
         ):
-            for served in (a, b):  # the readers are positioned at the stream's end
+            for served in (a, b):  # the readers are positioned
                 await asyncio.wait_for(served.gateway.semantic.ready.wait(), 5)
-            yield a, b
+            if later:
+                yield a, b, lambda: run_gateway([fake.url], **shared)
+            else:
+                yield a, b
 
     return start
 
@@ -1110,6 +1115,52 @@ async def test_an_answer_stored_via_one_instance_is_a_semantic_hit_on_another(tw
         stats = await b.client.get("/stats", headers={"Authorization": "Bearer t"})
         assert stats.json()["redis"]["semantic"]["received"] == 1
         assert a.gateway.semantic.counts["received"] == 0  # its own record is skipped
+
+
+async def test_an_instance_started_after_answers_were_stored_serves_them_as_semantic_hits(
+    two_semantic, fake
+):
+    """An instance's reader began at the stream's end: one started (or restarted) after the
+    fleet had stored answers missed every paraphrase of them while the others served it. It
+    now reads the records already on the stream, in order, an invalidation after an entry
+    included: the entry invalidated is not served, the one stored after it is."""
+    async with two_semantic(later=True) as (a, b, run_later):
+        router = await ask(a, "How do I reset my router?")
+        await ask(b, "What is the capital of France?", headers={"x-carpool-tags": "geo"})
+        dropped = await a.client.post(
+            "/admin/invalidate", headers={"Authorization": "Bearer t"}, json={"tag": "geo"}
+        )
+        assert dropped.status_code == 200, dropped.text
+        soup = await ask(b, "How long should I boil an egg?")
+        await eventually(
+            lambda: (
+                a.gateway.semantic.counts["published"] == 2
+                and b.gateway.semantic.counts["published"] == 2
+            ),
+            what="the three entries and the invalidation on the stream",
+        )
+        async with run_later() as c:
+            semantic = c.gateway.semantic
+            await eventually(
+                lambda: (
+                    semantic.counts["received"] == 3
+                    and semantic.counts["invalidations_received"] == 1
+                ),
+                what="C reading the records stored before it started",
+                state=lambda: semantic.counts,
+            )
+            assert semantic.counts["lost"] == semantic.counts["forgotten"] == 0
+            calls = fake.count()
+            for asked, stored in (
+                ("how can i reset my router", router),
+                ("how long should i boil an egg", soup),
+            ):
+                again = await ask(c, asked)
+                assert again.headers["x-carpool"] == "semantic-hit", asked
+                assert again.json() == stored.json()
+            france = await ask(c, "what is the capital of france")
+            assert france.headers["x-carpool"] == "miss"  # (invalidated before C started)
+            assert fake.count() == calls + 1
 
 
 @pytest.mark.parametrize("skew", [-7200, 7200])

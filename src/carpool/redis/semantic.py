@@ -14,9 +14,11 @@ Contract:
 - A reader task per instance (started by ``start()``, from the server's startup or lazily by the
   first ``probe``/``insert``/``invalidate``, inside the event loop; stopped by ``aclose``, which
   then closes the embedder as ``SemanticCache.aclose`` does) reads
-  the stream from its end at start (new records only: nothing older is backfilled), with ``XREAD
-  BLOCK`` of at most half the client's socket timeout, and applies the records of the OTHER
-  instances (its own carry its instance id and are skipped):
+  the stream from its first record at start (those already there: an instance started or
+  restarted later serves the fleet's entries too), then with ``XREAD BLOCK`` of at most half
+  the client's socket timeout, and applies the records of the OTHER instances (its own carry
+  its instance id and are skipped). Records go only from the stream's start (MAXLEN), so what
+  is left of it, read in order, holds every ``invalidate`` that came after each ``put`` it holds:
   - ``put``: the entry goes into the local index as a *reference* to the exact cache (the
     answer itself never travels on the stream). When a probe's candidate passes every check,
     its answer is fetched with ``resolve(key)`` (``Gateway.store.get``, the exact store shared
@@ -343,6 +345,7 @@ class SharedSemanticCache(SemanticCache):
     async def _read(self) -> None:
         last: Any = None  # a stream id (bytes)
         missed = False  # cut off since the last record read: some may never be read
+        started = False  # positioned once: the stream read from its first record then
         # (The id this reader had read up to when it was caught up, and the stream's count of
         # records ever added then: how many the next read must return, when it catches up.)
         caught: tuple[bytes, int] | None = None
@@ -350,27 +353,35 @@ class SharedSemanticCache(SemanticCache):
         while not self._closed:
             try:
                 with _unavailable("read the semantic stream"):
-                    if last is None:
+                    # At start, the records already there, from the first (those gone before
+                    # it held nothing of this reader's); after a failure, from the end.
+                    from_start = last is None and not started
+                    if from_start:
+                        entries = _entries(await self._client.xrange(self.stream, count=READ_COUNT))
+                        last, started = b"0-0", True
+                    elif last is None:
                         top = await self._client.xrevrange(self.stream, count=1)
                         last = top[0][0] if top else b"0-0"
                         if missed:  # (after positioning: what comes later is read)
                             everything = Selector(everything=True)
                             self.counts["forgotten"] += await super().invalidate(everything)
                             missed = False
+                    if last is not None and not self.ready.is_set():
                         self.ready.set()
                         if self.health is not None:
                             self.health.report(None)
-                    reply = await self._client.xread(
-                        {self.stream: last}, count=READ_COUNT, block=self.block_ms
-                    )
+                    if not from_start:
+                        reply = await self._client.xread(
+                            {self.stream: last}, count=READ_COUNT, block=self.block_ms
+                        )
+                        entries = xread_entries(reply)
                     # Records after ``last`` that left the stream before this read (trimmed by
                     # the XADDs' MAXLEN while this reader stalled or lagged, or the stream
                     # evicted) are never read, and XREAD says nothing of them.
                     head = await self._client.eval(HEAD, 1, self.stream)
                 backoff.reset()
-                entries = xread_entries(reply)
                 read = entries[-1][0] if entries else last
-                if _left_unread(last, head, caught, len(entries), read):
+                if not from_start and _left_unread(last, head, caught, len(entries), read):
                     # An ``invalidate`` among them, maybe: as above.
                     self.counts["lost"] += 1
                     everything = Selector(everything=True)
@@ -555,6 +566,11 @@ def _left_unread(
     if caught is not None and caught[0] == last and read == newest:
         return int(added) - caught[1] > count
     return _stream_id(first) > _stream_id(last)
+
+
+def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The entries of an XRANGE reply (ids and fields, as ``xread_entries`` gives them)."""
+    return list(reply or ())
 
 
 def _stream_id(ident: bytes) -> tuple[int, int]:
