@@ -405,3 +405,90 @@ async def test_an_upstream_header_with_a_control_character_is_a_502_as_on_the_ca
     assert [
         r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name != "asyncio"
     ] == []
+
+
+# --- 6. one upstream connection, one answer to each request ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 304 Not Modified\r\n\r\n",
+        raw_answer(200, b"OK", b"{}"),
+    ],
+    ids=["204", "304", "200"],
+)
+async def test_an_answer_nobody_asked_for_on_a_kept_upstream_connection_is_never_relayed(first):
+    """An upstream that sent bytes after an answer had ended (a 204's or 304's body coming
+    late, an answer too many) left them on the pooled connection, and the next pass-through
+    call on it, another tenant's, got them as its answer: every answer after it on that
+    connection went to the client after its own (one tenant's file to the next). A kept
+    connection with anything to read before its request is written is never reused."""
+    relayed, sent = asyncio.Event(), asyncio.Event()
+
+    async def respond(call: RawCall):
+        if "/v1/files/a" in call.line:
+
+            async def answers():
+                yield first
+                await relayed.wait()  # (the first answer relayed, its connection pooled)
+                yield raw_answer(200, b"OK", b'{"id": "EVIL"}')
+                sent.set()  # (written: the gateway's side of the connection has it to read)
+
+            return answers()
+        asked = call.line.split()[1].rsplit("/", 1)[1]
+        return raw_answer(200, b"OK", b'{"id": "%s"}' % asked.encode())
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        a = await gw.client.get("/v1/files/a", headers={"Authorization": "Bearer sk-a"})
+        assert a.status_code == int(first[9:12])
+        relayed.set()
+        await asyncio.wait_for(sent.wait(), 10)
+        answers = []
+        for tenant in ("b", "c", "d"):
+            got = await gw.client.get(
+                f"/v1/files/{tenant}", headers={"Authorization": f"Bearer sk-{tenant}"}
+            )
+            answers.append((got.status_code, got.json()))
+    assert answers == [(200, {"id": tenant}) for tenant in ("b", "c", "d")]
+    assert [call.line.split()[1] for call in upstream.calls] == [
+        "/v1/files/a",
+        "/v1/files/b",
+        "/v1/files/c",
+        "/v1/files/d",
+    ]
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_body_on_a_get_head_or_options_is_refused_never_forwarded(method, framing):
+    """A body on a GET went on to the upstream, and servers that read none on a GET (cpp-httplib,
+    llama.cpp's server) took it for the next request on the connection: a request the gateway
+    never judged (any path, outside its allow-list), its answer going to the next client. Such a
+    body has no meaning (RFC 9110 9.3.1): refused with a 400 before anything is sent; an empty
+    one (``Content-Length: 0``) is no body."""
+    smuggled = b"POST /v1/x/smuggled HTTP/1.1\r\nhost: up\r\ncontent-length: 0\r\n\r\n"
+
+    def respond(call: RawCall) -> bytes:
+        answer = raw_answer(200, b"OK", b"{}")
+        return answer[:-2] if call.line.startswith("HEAD") else answer
+
+    headers = {"transfer-encoding": "chunked"} if framing == "chunked" else {}
+
+    async def body():
+        yield smuggled
+
+    async with raw_upstream(respond) as upstream, run_gateway([upstream.url]) as gw:
+        refused = await gw.client.request(
+            method,
+            "/v1/models",
+            content=body() if framing == "chunked" else smuggled,
+            headers=headers,
+        )
+        empty = await gw.client.request(method, "/v1/models", headers={"content-length": "0"})
+    assert refused.status_code == 400, refused.text
+    if method != "HEAD":
+        assert refused.json()["error"]["code"] == "body_not_forwarded"
+    assert empty.status_code == 200
+    assert [call.line.split()[:2] for call in upstream.calls] == [[method, "/v1/models"]]

@@ -248,6 +248,19 @@ class TransferCodingRefused(RequestError):
         )
 
 
+class BodyNotForwarded(RequestError):
+    """A pass-through ``GET``, ``HEAD`` or ``OPTIONS`` with a body (a ``Content-Length`` over 0,
+    or a ``Transfer-Encoding``). Such a body has no meaning (RFC 9110 9.3.1), and a server that
+    reads none on that method (cpp-httplib: llama.cpp's server) would take it for the next
+    request on the connection: one the gateway never judged, its answer the next client's."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(
+            f"a {method} request carries no body through this gateway: send it without one",
+            "body_not_forwarded",
+        )
+
+
 class PathRefused(RequestError):
     """A pass-through path that could reach outside the upstream's ``/v1`` (``paths.confine``)."""
 

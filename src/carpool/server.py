@@ -157,6 +157,7 @@ from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, RUN_VARIABLE, 
 from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
+    BodyNotForwarded,
     CarpoolError,
     ClientKeyRefused,
     HeadersTooLarge,
@@ -616,6 +617,22 @@ def _header_bytes(headers: list[tuple[bytes, bytes]]) -> int:
     return sum(map(len, chain.from_iterable(headers)))
 
 
+# The methods whose body a pass-through call never forwards (``BodyNotForwarded``).
+BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _announces_body(headers: Mapping[str, str]) -> bool:
+    """Whether a request's head says a body follows: a ``Transfer-Encoding`` (its chunks may
+    be none, but a server that reads no body would read them as a request), or a
+    ``Content-Length`` other than 0 (the parser took it as a number)."""
+    if "transfer-encoding" in headers:
+        return True
+    try:
+        return int(headers.get("content-length", "0")) > 0
+    except ValueError:
+        return True
+
+
 def _decoded(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     """ASGI headers as ``ClientRequest`` takes them: lower-case names (as ASGI gives them).
 
@@ -781,6 +798,8 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             # upstream answered or ``limits.upstream_timeout`` passed, and a shutdown's drain
             # waited for it. Once the answer is relayed, the relay sees its client go
             # (``_Relay``).
+            if request.method in BODILESS_METHODS and _announces_body(headers):
+                raise BodyNotForwarded(request.method)
             watch = ReceiveWatch(request.receive)
             body: bytes | Upload | None
             if reads_body(request.method, path):  # (routing reads it: whole, never large)

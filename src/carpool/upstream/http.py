@@ -34,7 +34,10 @@ Contract (on top of ``upstream.base``):
   a client's ``Cookie`` reaches the upstream as it sent it, and only its own); an answer's connection is let go once
   its body is read, or when the answer is closed (``PassthroughResponse.aclose``), read or not:
   aborted then if its body had not come to its end (its client left: the engine stops; over
-  TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``).
+  TLS a clean close would keep the socket open up to 30 s, ``upstream.wire``). A kept
+  connection with anything to read before a call goes out on it (an answer nobody asked for)
+  is closed, never reused (``_Connector.connect``), as ``wire`` does: its bytes would be the
+  next call's answer, one tenant's to another.
 - Through an HTTP proxy (``proxy``: ``upstream.proxy``'s choice for this replica's URL), on
   both transports: an https replica's calls in a CONNECT tunnel (``wire``'s; aiohttp's for
   pass-through), an http one's sent to the proxy naming the replica's URL in full; the proxy's
@@ -172,6 +175,7 @@ import json
 import logging
 import select
 import ssl
+import weakref
 import zlib
 from collections.abc import (
     AsyncIterable,
@@ -427,13 +431,46 @@ class _Connector(aiohttp.TCPConnector):
     def __init__(self, *, opening_timeout: float, **named: Any) -> None:
         super().__init__(**named)
         self._opening_timeout = opening_timeout
+        self._new: weakref.WeakSet[Any] = weakref.WeakSet()  # (opened, not yet handed out)
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        # A kept connection on which the upstream sent anything since its last answer ended (a
+        # 204's or 304's body coming late, an answer too many) would give those bytes to the
+        # next call as its answer, and each answer after them to the call after its own: one
+        # tenant's to another. Never reused, as the cached endpoints' client does not
+        # (``wire.Connection.stale``); aiohttp looks only whether it is still open.
+        while True:
+            connection = await super().connect(req, traces, timeout)
+            protocol = connection.protocol
+            if protocol is None or protocol in self._new:
+                self._new.discard(protocol)
+                return connection
+            if not (protocol.should_close or _readable(protocol.transport)):
+                return connection
+            connection.close()  # (and the next one: the pool's, or a new one)
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
         try:
             async with asyncio.timeout(self._opening_timeout):
-                return await super()._create_connection(req, traces, timeout)
+                protocol = await super()._create_connection(req, traces, timeout)
         except TimeoutError as exc:
             raise aiohttp.ConnectionTimeoutError("connection timed out") from exc
+        self._new.add(protocol)
+        return protocol
+
+
+def _readable(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether ``transport``'s socket has something the loop has not read yet (bytes, the
+    server's FIN or RST), or none is left to look at: one ``poll``, a microsecond."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return transport is None or transport.is_closing()
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 def reason(error: BaseException) -> str:
