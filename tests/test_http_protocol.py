@@ -985,6 +985,43 @@ async def test_a_request_without_a_body_asking_to_upgrade_is_served_as_if_it_had
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def _upgrading(upgrade: str) -> bytes:
+    """A bodiless request asking to upgrade the connection (served as if it had not)."""
+    return (
+        f"GET /healthz HTTP/1.1\r\nhost: gw\r\nconnection: Upgrade\r\nupgrade: {upgrade}\r\n"
+        "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+    ).encode()
+
+
+@pytest.mark.parametrize("upgrade", ["h2c", "websocket"])
+async def test_requests_pipelined_behind_a_bodiless_upgrade_request_are_each_answered(
+    fake, upgrade
+):
+    """The parser stops at an upgrade request's end and the rest of that read was dropped: the
+    requests pipelined behind it in the same read were never answered (a client reading its
+    answers in order took the next one's for theirs), and a request's head dropped so left its
+    body, coming in the next read, to be read as a request of its own."""
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            writer.write(
+                _upgrading(upgrade)
+                + _request(_body())
+                + _upgrading(upgrade)
+                + b"GET /nope HTTP/1.1\r\nhost: gw\r\n\r\n"
+            )
+            statuses = [(await asyncio.wait_for(_response(reader), 5))[0] for _ in range(4)]
+            assert statuses == [200, 200, 200, 404]
+            # A head behind it in the same read, its body in the next: that body is its.
+            body = _body("Is this a request of its own?")
+            head = _request(body)[: -len(body)]
+            writer.write(_upgrading(upgrade) + head)
+            assert (await asyncio.wait_for(_response(reader), 5))[0] == 200
+            writer.write(body)
+            status, headers, answer = await asyncio.wait_for(_response(reader), 5)
+    assert (status, headers["x-carpool"]) == (200, "miss"), answer
+    assert fake.count() == 2
+
+
 def _chunks(body: bytes) -> bytes:
     return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
 

@@ -295,7 +295,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # and one httptools cannot read, refused as the gateway refuses the others.
         self._unset_keepalive_if_required()
         try:
-            self.parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserError as error:
             if self.refused:
                 return
@@ -324,10 +324,7 @@ class GatewayProtocol(HttpToolsProtocol):
             self._refuse(MalformedHttp(reason), rid)
             return
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            self.handle_websocket_upgrade()  # (``_feed`` raised it for that only)
             return
         if self.quiet < 0:
             self.quiet = 0
@@ -352,6 +349,25 @@ class GatewayProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
+
+    def _feed(self, data: bytes) -> None:
+        """``data`` to the parser, which stops at the end of a request asking to upgrade the
+        connection: ``HttpParserUpgrade`` is raised when that upgrade is served (uvicorn's
+        WebSocket, outside ``carpool serve``); otherwise the request was served as if it had
+        asked for none, and the parser goes on with the rest of the read (what was pipelined
+        behind it: dropped, its answers went to the requests after it, and a head dropped so
+        left its body to be read as a request)."""
+        while True:
+            try:
+                self.parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                if self._should_upgrade():
+                    raise
+                self._unsupported_upgrade_warning()
+                data = data[upgrade.args[0] :] if upgrade.args else b""
+                if not data or self.refused:
+                    return
 
     def on_message_begin(self) -> None:
         self._send_now()  # (a request behind one answered here, in the same read: after it)
