@@ -271,6 +271,42 @@ def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sen
         assert key({**plain, "prompt": nfc}, path=path) == key({**plain, "prompt": nfd}, path=path)
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "m", "temperature": 0, "prompt": "Hi", "echo": True}),
+        (
+            "/v1/completions",
+            {"model": "m", "temperature": 0, "prompt": "Hi", "logprobs": 1, "echo": 1},
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "temperature": 0, "prompt": "Hi", "return_token_ids": True},
+        ),
+        (
+            CHAT,
+            {
+                "model": "m",
+                "temperature": 0,
+                "echo": True,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        ),
+    ],
+    ids=["completions-echo", "echo-logprobs", "return_token_ids", "chat-echo"],
+)
+def test_an_answer_that_repeats_its_prompt_is_keyed_apart_streamed_or_not(path, body):
+    # llama.cpp's server repeats the prompt (echo) in a whole answer, not in a stream: the
+    # answer assembled from a streaming client's call was stored and served to the JSON
+    # clients of the request, and joined by them, without its prompt. Streamed or not, such
+    # a request is a request of its own; any other is the same request either way.
+    streamed = key({**body, "stream": True}, path=path)
+    assert streamed is not None
+    assert streamed != key(body, path=path) == key({**body, "stream": False}, path=path)
+    plain = {k: v for k, v in body.items() if k not in ("echo", "return_token_ids")}
+    assert key({**plain, "stream": True}, path=path) == key(plain, path=path)
+
+
 def test_strings_in_a_schema_are_exact_while_prompt_text_is_nfc():
     # An enum value is written into the answer as given: a client whose enum said "café" in
     # NFD got the NFC client's "café", which its own schema does not allow.
@@ -528,6 +564,26 @@ def test_shared_namespace_is_shared_across_tenants():
     ],
 )
 def test_sampling_policy_strict(params, shared):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
+    assert is_deterministic(body) is shared
+    assert (key(body) is not None) is shared
+
+
+@pytest.mark.parametrize(
+    "params, shared",
+    [
+        ({"top_k": 1, "temperature": -1}, False),
+        ({"top_k": 1, "temperature": 0.9, "mirostat_mode": 2}, False),
+        ({"top_k": 1, "mirostat": 1}, False),
+        ({"top_k": 1, "temperature": 0.9, "mirostat_mode": 0}, True),
+        ({"top_k": 1, "temperature": -1, "seed": 3}, True),
+        ({"temperature": 0, "mirostat_mode": 2}, True),
+    ],
+)
+def test_top_k_1_is_no_determinism_where_the_engine_samples_past_it(params, shared):
+    # llama.cpp's server (llama-cpp-python's sampler) samples the whole distribution at a
+    # negative temperature and mirostat takes top_k's place: three "regenerates" with top_k 1
+    # there gave three texts, and the gateway served each the first.
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
     assert is_deterministic(body) is shared
     assert (key(body) is not None) is shared

@@ -110,6 +110,28 @@ async def test_completions_with_best_of_or_echo_are_never_streamed_for_others(ga
     assert [c.body.get("stream") for c in fake.calls] == [None, None, True]
 
 
+async def test_a_streamed_echo_completion_is_never_served_to_its_json_clients(gw, fake):
+    """llama.cpp's server repeats the prompt (``echo``) in a whole answer and not in a stream:
+    the answer assembled from a streaming client's call was stored and served to the JSON
+    clients of the same request (and an Idempotency-Key's JSON retry) without its prompt.
+    Streamed or not, an echo request is a request of its own."""
+    body = {"model": "m", "temperature": 0, "prompt": "Hello there", "echo": True}
+    streamed = await gw.client.post("/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200 and streamed.headers["x-carpool"] == "miss"
+    whole = await gw.client.post("/v1/completions", json=body)
+    assert whole.headers["x-carpool"] == "miss", whole.headers
+    again = await gw.client.post("/v1/completions", json={**body, "stream": True})
+    assert again.headers["x-carpool"] == "hit"  # (the streamed one, for streaming clients)
+    assert fake.count() == 2
+    keyed = {"Idempotency-Key": "echo-1"}
+    first = await gw.client.post(
+        "/v1/completions", json={**body, "prompt": "Hi", "stream": True}, headers=keyed
+    )
+    assert first.status_code == 200
+    retry = await gw.client.post("/v1/completions", json={**body, "prompt": "Hi"}, headers=keyed)
+    assert retry.status_code == 422, retry.text  # (another request under the same key)
+
+
 def vllm_refuses_prompt_logprobs_on_a_stream(call) -> str | None:
     """vLLM's own check (its request models): prompt_logprobs above 0 (or -1) with stream."""
     asked = (call.body or {}).get("prompt_logprobs")

@@ -381,13 +381,18 @@ def _names_state(part: Any, depth: int) -> bool:
 
 def is_deterministic(body: Any) -> bool:
     """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy"): a seed in
-    [0, 2**32 - 1), not one an engine reads as random (-1)."""
+    [0, 2**32 - 1), not one an engine reads as random (-1); ``top_k`` 1 unless the engine
+    samples past it: llama.cpp's server (llama-cpp-python's sampler) draws from the whole
+    distribution at a negative temperature, and mirostat takes top-k's place."""
     seed = body.get("seed")
     if type(seed) is int and 0 <= seed < _RANDOM_SEEDS_FROM:
         return True
-    if body.get("top_k") == 1:
-        return True
     temperature = body.get("temperature")
+    if body.get("top_k") == 1:
+        negative = isinstance(temperature, (int, float)) and temperature < 0
+        mirostat = body.get("mirostat_mode") or body.get("mirostat")
+        if not negative and not mirostat:
+            return True
     return temperature is not None and temperature == 0
 
 
