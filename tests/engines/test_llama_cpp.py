@@ -334,6 +334,33 @@ async def test_completions_through_carpool_equal_the_engine(engine, gw):
     assert same(miss.parse()) == same(direct) == same(hit.parse())
 
 
+async def test_an_echo_completion_streamed_first_is_still_the_engines_whole_answer(engine, gw):
+    """llama.cpp repeats the prompt (``echo``) in a whole answer and not in a stream: the answer
+    carpool assembled from a streaming client's call was served to the JSON clients without
+    the prompt. Each gets the engine's own: the stream's text, then the whole answer's."""
+    body = {
+        "model": MODEL,
+        "prompt": "Hello there",
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "echo": True,
+    }
+    direct = client(engine)
+    streamed_direct = "".join(
+        [c.choices[0].text async for c in await direct.completions.create(**body, stream=True)]
+    )
+    via = client(gw.url + "/v1")
+    streamed = "".join(
+        [c.choices[0].text async for c in await via.completions.create(**body, stream=True)]
+    )
+    assert streamed == streamed_direct
+    whole_direct = await reference(direct.completions.create, **body)
+    whole = await via.completions.with_raw_response.create(**body)
+    assert whole.headers["x-carpool"] == "miss"
+    assert same(whole.parse()) == same(whole_direct)
+    assert whole.parse().choices[0].text.startswith("Hello there")
+
+
 async def test_embeddings_single_and_list_through_carpool_equal_the_engine(engine, gw):
     direct = client(engine)
     via = client(gw.url + "/v1")
