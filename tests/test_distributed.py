@@ -1956,3 +1956,29 @@ async def test_each_instance_serves_no_answer_older_than_its_own_ttl(fake, share
         assert (await b.chat("aging")).headers["x-carpool"] == "miss"
         assert (await a.chat("aging")).headers["x-carpool"] == "hit"
         assert fake.count() == 4
+
+
+async def test_an_invalidation_of_everything_reaches_a_master_added_since_the_instance_started(
+    fake, own_redis_cluster
+):
+    """A master added to the cluster (a scale-out) and given a slot holding a stored answer:
+    ``{"all": true}`` sent to an instance that had not been redirected there yet scanned the
+    masters it knew, answered 200, and the answer was served on as a hit from the new master.
+    The topology is read again before the keyspace is scanned."""
+    cluster = own_redis_cluster
+    admin = {"Authorization": "Bearer t"}
+    async with two_gateways(fake, cluster, admin_token="t") as (a, b):
+        first = await a.chat("scale out")
+        assert first.headers["x-carpool"] == "miss"
+        entry_key = next(key for key in await redis_keys(cluster) if key.startswith(b"carpool:e:"))
+        import redis
+
+        with redis.Redis(host=cluster.nodes[0].host, port=cluster.nodes[0].port) as client:
+            slot = client.execute_command("CLUSTER", "KEYSLOT", entry_key)
+        added = await asyncio.to_thread(cluster.add_master)
+        await asyncio.to_thread(cluster.move_slot, slot, added)
+        invalidated = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert invalidated.status_code == 200, invalidated.text
+        again = await a.chat("scale out")
+    assert again.headers["x-carpool"] == "miss"
+    assert fake.count() == 2

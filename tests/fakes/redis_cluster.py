@@ -29,26 +29,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _node_args(bus: int) -> list[str]:
+    return [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-port",
+        str(bus),
+        "--cluster-node-timeout",
+        "2000",
+        "--cluster-require-full-coverage",
+        "yes",
+    ]
+
+
 class RedisCluster:
     cluster = True
 
     def __init__(self, masters: int = 3, start_timeout: float = 20.0) -> None:
         self.bus_ports = [_free_port() for _ in range(masters)]
-        self.nodes = [
-            RedisServer(
-                extra_args=[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-port",
-                    str(bus),
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-require-full-coverage",
-                    "yes",
-                ]
-            )
-            for bus in self.bus_ports
-        ]
+        self.nodes = [RedisServer(extra_args=_node_args(bus)) for bus in self.bus_ports]
         self.start_timeout = start_timeout
 
     @property
@@ -146,6 +145,56 @@ class RedisCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    def add_master(self) -> int:
+        """Another node, met by the others, holding no slot yet (a scale-out): its index."""
+        import redis
+
+        self.bus_ports.append(_free_port())
+        self.nodes.append(RedisServer(extra_args=_node_args(self.bus_ports[-1])))
+        self._start_node(len(self.nodes) - 1)
+        new = self.nodes[-1]
+        with redis.Redis(host=self.nodes[0].host, port=self.nodes[0].port) as first:
+            first.execute_command("CLUSTER", "MEET", new.host, new.port, self.bus_ports[-1])
+        deadline = time.monotonic() + self.start_timeout
+        while not all(self._knows_all(node) for node in self.nodes):
+            if time.monotonic() > deadline:
+                raise RedisServerError("the new node was not met by every node")
+            time.sleep(0.05)
+        return len(self.nodes) - 1
+
+    def move_slot(self, slot: int, to: int) -> None:
+        """``slot``, which holds keys, and every key in it, moved to node ``to`` (a reshard's
+        steps: IMPORTING, MIGRATING, MIGRATE, then the new owner told to every node)."""
+        import redis
+
+        clients = [redis.Redis(host=node.host, port=node.port) for node in self.nodes]
+        try:
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in clients]
+            owner = next(  # (the node that holds its keys: a slot with none is not moved here)
+                i
+                for i, c in enumerate(clients)
+                if c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot)
+            )
+            target = self.nodes[to]
+            clients[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+            clients[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
+            while keys := clients[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                clients[owner].execute_command(
+                    "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys
+                )
+            for client in clients:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
+        finally:
+            for client in clients:
+                client.close()
+
+    def _knows_all(self, node: RedisServer) -> bool:
+        import redis
+
+        with redis.Redis(host=node.host, port=node.port) as client:
+            info = client.execute_command("CLUSTER", "INFO").decode()
+        return f"cluster_known_nodes:{len(self.nodes)}" in info and "cluster_state:ok" in info
 
     def flush(self) -> None:
         """Empty every node (what a fresh cluster holds), keeping the cluster formed."""

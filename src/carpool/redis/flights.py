@@ -159,6 +159,7 @@ from .connection import (
     StoreUnavailable,
     WrongType,
     close_client,
+    read_topology,
     stop_reader,
     unavailable_in,
     wait_set,
@@ -280,6 +281,7 @@ class SharedFlights:
         dropped = 0
         try:
             with _unavailable("forget finished flights"):
+                await read_topology(self._client)
                 batch: list[bytes] = []
                 async for lock in self._client.scan_iter(match=pattern, count=500):
                     batch.append(lock)

@@ -84,6 +84,7 @@ from .connection import (
     byte_client,
     close_client,
     connect,
+    read_topology,
     stop_reader,
     unavailable_in,
 )
@@ -352,6 +353,8 @@ class RedisStore:
         batch: list[str] = []
         dropped = 0
         start = self._keys.entry_start
+        if index is None:
+            await read_topology(self._client)
         members = (
             self._client.zscan_iter(index, count=BATCH)
             if index is not None
@@ -406,6 +409,7 @@ class RedisStore:
 
         # Only this store's own key families: other layers (idempotency records, flights) share
         # the prefix, and dropping cached answers must never forget that a request already ran.
+        await read_topology(self._client)
         for family in self._keys.families:
             async for key in self._client.scan_iter(match=family, count=BATCH):
                 batch.append(key)
