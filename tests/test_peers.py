@@ -1389,3 +1389,30 @@ async def test_a_worker_settling_its_calls_as_it_closes_still_answers_its_peers(
         gate.set()  # (b's held call ends: b closes)
         await closing
         assert (await leading).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_call_its_owner_cancels_as_it_closes_is_made_by_the_worker_that_asked(
+    fake, stream
+):
+    """A worker closing (a SIGHUP's reload, a SIGTERM) cancels the calls it still leads once
+    its grace period is over; another worker waiting on one for its own client relayed what the
+    owner said of it, a 499 "every client of this request left" (a stream: that error event),
+    which its client, still there, never retried. The owner now says it is shutting down, and
+    the worker that asked makes the call itself: its client gets the answer."""
+    async with two_workers(fake.url) as pair:
+        gate = fake.gate = asyncio.Event()
+        question = owned_by(pair.a.gateway, 1, "Cut as its owner closes")
+        body = {**_chat(question), **({"stream": True} if stream else {})}
+        asked = asyncio.create_task(pair.a.client.post("/v1/chat/completions", json=body))
+        await fake.wait_for_calls(1)  # (b, the owner, calls the upstream for a's client)
+        fake.gate = None  # (the next call is answered at once)
+        pair.b.gateway.stop_by = time.monotonic()  # (no grace left: its call is cancelled)
+        await pair.b.gateway.aclose()
+        answer = await asked
+        gate.set()
+    assert answer.status_code == 200, answer.text
+    if stream:
+        assert answer.text.rstrip().endswith("data: [DONE]"), answer.text[-300:]
+        assert '"error"' not in answer.text
+    assert fake.count() == 2  # (b's, cancelled, and a's own)

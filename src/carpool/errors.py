@@ -620,6 +620,7 @@ class FlightAbandoned(CarpoolError):
     status = 499
     type = "client_closed_request"
     code = "flight_abandoned"
+    MESSAGE = "every client of this request left"
 
 
 def error_event(error: CarpoolError) -> bytes:

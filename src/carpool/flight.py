@@ -77,7 +77,7 @@ from typing import TypeGuard
 from .answer import Answer
 from .broadcast import Broadcast, Labels
 from .clock import SYSTEM_CLOCK, Clock
-from .errors import CarpoolError, FlightAbandoned, UpstreamError
+from .errors import CarpoolError, FlightAbandoned, ShuttingDown, UpstreamError
 from .window import FixedWindow, WindowPolicy
 
 log = logging.getLogger("carpool.flight")
@@ -220,6 +220,9 @@ class FlightGroup:
         )
         self.finish_abandoned = finish_abandoned
         self.clock = clock
+        # Set by a closing gateway before it cancels the calls still running (``settle``):
+        # their clients are told it is shutting down (a 503 to retry), not that they left.
+        self.settling = False
         self.waiters = 0  # tickets not yet released, for /stats and metrics
         self.epoch = 0  # invalidations so far (``forget_all``)
         # Every flight's task still running, forgotten ones too (a call kept for another
@@ -417,7 +420,11 @@ class FlightGroup:
         try:
             answer = await lead(broadcast)
         except asyncio.CancelledError:
-            broadcast.fail(FlightAbandoned("every client of this request left"))
+            # (Clients may still wait on a call a closing gateway cancelled: another worker's,
+            # asking its key's owner, which then makes the call itself.)
+            broadcast.fail(
+                ShuttingDown() if self.settling else FlightAbandoned(FlightAbandoned.MESSAGE)
+            )
             self.forget(flight.key, flight)
             return
         except CarpoolError as error:

@@ -936,12 +936,15 @@ class Gateway:
         instances' followers may) go on until ``stop_by``, the end of the grace period. Those
         left then are cancelled, as a call whose clients all left, not cut by their client's
         closing under them: followers elsewhere take the call over (its leader ``gone``), none
-        is told the upstream failed, no replica is downed. Then, for at most ``SETTLE_S``, the
+        is told the upstream failed, no replica is downed; a client still waiting on one here
+        (another worker's, which asked this one, its key's owner) is told it is shutting down,
+        and that worker makes the call itself. Then, for at most ``SETTLE_S``, the
         cleanup of those calls and of the requests the server cut runs (a key's record given
         up, a flight's lock released), while Redis is still open."""
         calls = list(self.flights.calls)
         if calls and self.stop_by is not None and (left := self.stop_by - time.monotonic()) > 0:
             await asyncio.wait(calls, timeout=left)
+        self.flights.settling = True
         for call in calls:
             call.cancel()
         ending = [*calls, *(task for task in self.serving if task is not asyncio.current_task())]

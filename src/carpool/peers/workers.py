@@ -78,7 +78,13 @@ from yarl import URL
 
 from ..apis import BY_PATH, Api
 from ..background import stop_reader
-from ..errors import RETRY_HEADERS, LeaderLost, UpstreamStreamBroken
+from ..errors import (
+    RETRY_HEADERS,
+    FlightAbandoned,
+    LeaderLost,
+    ShuttingDown,
+    UpstreamStreamBroken,
+)
 from ..idempotency.errors import IdempotencyUnavailable
 from ..outcome import Outcome
 from ..reply import Reply, refusal
@@ -229,6 +235,11 @@ class Peers:
             return None
         finally:
             response.release()
+        if response.status in _STOPPING_STATUSES and _owner_stopping(body):
+            # The owner closed with the call still running (a reload, a stop): it cancelled
+            # it, nothing was answered. Done here, as for an owner that did not answer.
+            self._missed(owner, RuntimeError(f"HTTP {response.status}: it is shutting down"))
+            return None
         return UpstreamResponse(response.status, kept, body=body)
 
     async def run_on(self, owner: int, client: ClientRequest) -> Reply | None:
@@ -585,6 +596,25 @@ def _is_spare(path: Path) -> bool:
 
 def _why(error: BaseException) -> str:
     return type(error).__name__ + (f": {error}" if str(error) else "")
+
+
+# What an owner that closed with a flight's call running says of it (``FlightGroup.settling``:
+# ``ShuttingDown``; an older worker, mid-reload: ``FlightAbandoned``), by status, and by code
+# (OpenAI's shape) or message (the Messages API's shape has no code).
+_STOPPING_STATUSES = frozenset({499, 503})
+_STOPPING_CODES = frozenset({ShuttingDown.code, FlightAbandoned.code})
+_STOPPING_MESSAGES = frozenset({ShuttingDown().message, FlightAbandoned.MESSAGE})
+
+
+def _owner_stopping(body: bytes) -> bool:
+    """Whether an owner's refusal says it cancelled the call as it closed (``ask``)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and (
+        error.get("code") in _STOPPING_CODES or error.get("message") in _STOPPING_MESSAGES
+    )
 
 
 def _owner_unreachable(owner: int, client: ClientRequest) -> Reply:
