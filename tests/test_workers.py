@@ -313,6 +313,23 @@ def _stalled_workers(stalled) -> tuple[list[int], list[int]]:
     return started, [int(path.stem) for path in stalled.glob("*.pinged")]
 
 
+def _ended_at_once(proc, stopped_at: float, log, stalled, temporary, workers: int) -> None:
+    """After a stop at ``stopped_at``: the run ended with status 0 well under the health
+    check's wait (``WORKER_HEALTHCHECK_S``), the ``workers`` workers it started in all ended,
+    and its directory gone."""
+    import time
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+
+    assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+    took = time.monotonic() - stopped_at
+    assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
+    started, _ = _stalled_workers(stalled)
+    assert len(started) == workers, started
+    assert not any(_running(pid) for pid in started)
+    assert list(temporary.iterdir()) == []
+
+
 async def _waiting_on_a_health_check(proc, stalled, log, workers: int) -> int:
     """Once ``workers`` workers have started and the supervisor waits on one's health check:
     that one."""
@@ -347,8 +364,6 @@ async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_
     import time
     from pathlib import Path
 
-    from carpool.cli import WORKER_HEALTHCHECK_S
-
     temporary = Path(tempfile.mkdtemp(prefix="cp-"))
     stalled = tmp_path / "stalled"
     stalled.mkdir()
@@ -363,14 +378,8 @@ async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.terminate()
-        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
-        took = time.monotonic() - stopped_at
-        # (Bounded well under the health check's wait, which is what it took.)
-        assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
-        started, _ = _stalled_workers(stalled)
-        assert len(started) == 2, started  # (none started in place of one the signal ended)
-        assert not any(_running(pid) for pid in started)
-        assert list(temporary.iterdir()) == []
+        # (None started in place of one the signal ended.)
+        _ended_at_once(proc, stopped_at, log, stalled, temporary, workers=2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -432,7 +441,6 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
     import time
     from pathlib import Path
 
-    from carpool.cli import WORKER_HEALTHCHECK_S
     from fakes.waiting import eventually
 
     temporary = Path(tempfile.mkdtemp(prefix="cp-"))
@@ -463,14 +471,8 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
         assert proc.poll() is None, log.read_text()[-2000:]
         stopped_at = time.monotonic()
         proc.terminate()
-        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
-        took = time.monotonic() - stopped_at
-        # (Bounded well under the restart's wait for its new worker, which is what it took.)
-        assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
-        started, _ = _stalled_workers(stalled)
-        assert len(started) == 3, started  # (the restart started no other)
-        assert not any(_running(pid) for pid in started)
-        assert list(temporary.iterdir()) == []
+        # (The restart's wait for its new worker is what it took; it started no other.)
+        _ended_at_once(proc, stopped_at, log, stalled, temporary, workers=3)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
