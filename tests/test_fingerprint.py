@@ -578,12 +578,17 @@ def test_sampling_policy_strict(params, shared):
         ({"top_k": 1, "temperature": 0.9, "mirostat_mode": 0}, True),
         ({"top_k": 1, "temperature": -1, "seed": 3}, True),
         ({"temperature": 0, "mirostat_mode": 2}, True),
+        ({"top_k": 1, "temperature": 1, "samplers": ["temperature"]}, False),
+        ({"top_k": 1, "temperature": 1, "samplers": "t"}, False),
+        ({"top_k": 1, "temperature": 1, "samplers": []}, False),
+        ({"top_k": 1, "temperature": 1, "samplers": ["top_k", "temperature"]}, True),
+        ({"top_k": 1, "temperature": 1, "samplers": "kt"}, True),
     ],
 )
 def test_top_k_1_is_no_determinism_where_the_engine_samples_past_it(params, shared):
-    # llama.cpp's server (llama-cpp-python's sampler) samples the whole distribution at a
-    # negative temperature and mirostat takes top_k's place: three "regenerates" with top_k 1
-    # there gave three texts, and the gateway served each the first.
+    # llama-cpp-python's sampler samples the whole distribution at a negative temperature,
+    # mirostat takes top_k's place, and llama.cpp's ``samplers`` may leave top-k out: three
+    # "regenerates" with top_k 1 there gave three texts, and the gateway served each the first.
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
     assert is_deterministic(body) is shared
     assert (key(body) is not None) is shared

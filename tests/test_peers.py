@@ -1392,9 +1392,7 @@ async def test_a_worker_settling_its_calls_as_it_closes_still_answers_its_peers(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_a_call_its_owner_cancels_as_it_closes_is_made_by_the_worker_that_asked(
-    fake, stream
-):
+async def test_a_call_its_owner_cancels_as_it_closes_is_made_by_the_worker_that_asked(fake, stream):
     """A worker closing (a SIGHUP's reload, a SIGTERM) cancels the calls it still leads once
     its grace period is over; another worker waiting on one for its own client relayed what the
     owner said of it, a 499 "every client of this request left" (a stream: that error event),

@@ -1163,6 +1163,55 @@ async def test_an_instance_started_after_answers_were_stored_serves_them_as_sema
             assert fake.count() == calls + 1
 
 
+async def test_an_instance_cut_off_from_redis_as_it_starts_forgets_its_entries_once_it_reads(
+    fake, redis_server
+):
+    """Its reader's first read failed: the instance served on alone, keeping entries of its
+    own (with their answers). Reading the stream from its first record once Redis answered, it
+    kept them, though an invalidation of one had left the stream meanwhile (trimmed): that
+    invalidated answer was served as a semantic hit. It forgets them first, as a reader that
+    was cut off later does."""
+    from conftest import redis_settings, run_gateway
+    from fakes.latency_proxy import LinkProxy
+
+    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
+    quick = {"retry_interval": 0.05, "stream_maxlen": 5}
+    settings = {"admin_token": "t", **SEMANTIC}
+    geo = {"x-carpool-tags": "geo"}
+    try:
+        proxy.hold()  # (B's link stalls from the start)
+        async with (
+            run_gateway([fake.url], **redis_settings(redis_server, **quick), **settings) as a,
+            run_gateway(
+                [fake.url],
+                **{
+                    **redis_settings(redis_server, **quick, timeout=0.2, connect_timeout=0.2),
+                    "redis": proxy.url,
+                },
+                **settings,
+            ) as b,
+        ):
+            semantic = b.gateway.semantic
+            await eventually(lambda: semantic.counts["errors"] >= 1, what="B's first read failing")
+            mine = await ask(b, "What is the capital of France?", headers=geo)
+            await eventually(lambda: semantic.entries >= 1, what="B's own entry")
+            await ask(a, "What is the capital of France?", headers=geo)
+            dropped = await a.client.post(
+                "/admin/invalidate", headers={"Authorization": "Bearer t"}, json={"tag": "geo"}
+            )
+            assert dropped.status_code == 200, dropped.text
+            for i in range(8):  # (the invalidation trimmed off the stream by what comes after)
+                await ask(a, f"Unrelated question number {i}?")
+            proxy.release()
+            await eventually(lambda: semantic.ready.is_set(), what="B reading the stream")
+            assert semantic.counts["forgotten"] >= 1
+            again = await ask(b, "what is the capital of france", headers=geo)
+    finally:
+        await proxy.aclose()
+    assert mine.headers["x-carpool"] == "miss"
+    assert again.headers["x-carpool"] == "miss", again.headers
+
+
 @pytest.mark.parametrize("skew", [-7200, 7200])
 async def test_a_record_from_another_instance_is_aged_in_redis_time_whatever_the_clocks(
     two_semantic, fake, skew

@@ -382,8 +382,9 @@ def _names_state(part: Any, depth: int) -> bool:
 def is_deterministic(body: Any) -> bool:
     """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy"): a seed in
     [0, 2**32 - 1), not one an engine reads as random (-1); ``top_k`` 1 unless the engine
-    samples past it: llama.cpp's server (llama-cpp-python's sampler) draws from the whole
-    distribution at a negative temperature, and mirostat takes top-k's place."""
+    samples past it: llama-cpp-python's sampler draws from the whole distribution at a negative
+    temperature, mirostat takes top-k's place, and llama.cpp's ``samplers`` may leave top-k
+    out of its chain (a list of names, or a string of letters, top-k's ``k``)."""
     seed = body.get("seed")
     if type(seed) is int and 0 <= seed < _RANDOM_SEEDS_FROM:
         return True
@@ -391,7 +392,12 @@ def is_deterministic(body: Any) -> bool:
     if body.get("top_k") == 1:
         negative = isinstance(temperature, (int, float)) and temperature < 0
         mirostat = body.get("mirostat_mode") or body.get("mirostat")
-        if not negative and not mirostat:
+        samplers = body.get("samplers")
+        skipped = samplers is not None and not (
+            (isinstance(samplers, list) and "top_k" in samplers)
+            or (isinstance(samplers, str) and "k" in samplers)
+        )
+        if not negative and not mirostat and not skipped:
             return True
     return temperature is not None and temperature == 0
 

@@ -138,7 +138,9 @@ log = logging.getLogger("carpool.semantic")
 
 # Bytes (UTF-8) of prompt and context a shared record may carry (``_inserted``).
 MAX_RECORD_TEXT = 32_768
-READ_COUNT = 256  # records per XREAD
+# Records per read: each page is parsed whole on the loop (redis-py's parser), 32 of ~2 KB at a
+# time (256 held the loop for ~175 ms while a start read the stream).
+READ_COUNT = 32
 
 _SELECTORS = {"tag": "tag", "namespace": "namespace", "prefix": "prefix", "all": "everything"}
 
@@ -362,10 +364,12 @@ class SharedSemanticCache(SemanticCache):
                     elif last is None:
                         top = await self._client.xrevrange(self.stream, count=1)
                         last = top[0][0] if top else b"0-0"
-                        if missed:  # (after positioning: what comes later is read)
-                            everything = Selector(everything=True)
-                            self.counts["forgotten"] += await super().invalidate(everything)
-                            missed = False
+                    if missed:  # (after positioning: what comes later is read)
+                        # (At start too: cut off at its first read, it stored entries of its
+                        # own meanwhile, whose invalidations may have left the stream since.)
+                        everything = Selector(everything=True)
+                        self.counts["forgotten"] += await super().invalidate(everything)
+                        missed = False
                     if last is not None and not self.ready.is_set():
                         self.ready.set()
                         if self.health is not None:
@@ -395,6 +399,9 @@ class SharedSemanticCache(SemanticCache):
                     except Exception:  # a malformed record never stops the reader
                         self.counts["ignored"] += 1
                         log.warning("ignoring a malformed semantic record %r", ident, exc_info=True)
+                    # Requests between two records: a start reads up to ``stream_maxlen`` of
+                    # them at once (10k: ~10 s here), which held the loop a page at a time.
+                    await asyncio.sleep(0)
                 if not head:  # gone: the next one begins anew
                     last = b"0-0"
                 elif not head[2]:  # emptied: its next record comes after its last id
