@@ -1356,6 +1356,42 @@ async def test_a_client_that_reads_nothing_for_send_timeout_is_cut_and_its_strea
     assert fake.count() == 1 and fake.cancelled == 0  # (the flight went on for the other)
 
 
+@pytest.mark.parametrize("asgi", [False, True], ids=["held", "asgi-path"])
+def test_the_cut_of_a_client_that_reads_nothing_is_logged_under_its_request_id(asgi, caplog):
+    """On uvloop, as ``carpool serve`` runs, the transport says it is full in the connection's
+    own context, not the writing request's: the line that says its client was cut carried no
+    request id (``[-]``), against the logs' contract."""
+    from carpool.request_id import RequestIdFilter
+
+    caplog.handler.addFilter(RequestIdFilter())
+    caplog.set_level(logging.INFO, logger="carpool")
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(_a_client_reads_nothing(asgi))
+    (cut,) = [r for r in caplog.records if "read nothing" in r.getMessage()]
+    assert cut.request_id == "stalled-1"
+
+
+async def _a_client_reads_nothing(asgi: bool) -> None:
+    fake = FakeUpstream()
+    fake.answer_text = lambda n, body: _LONG  # more than the connection's buffers hold
+    async with serve_app(fake) as url:
+        fake.url = url + "/v1"
+        async with (
+            _gateway(fake, limits={"send_timeout": 0.2}) as (served, _),
+            _small_buffered(served) as (sock, connection),
+        ):
+            state = served.server.server_state
+            extra = "x-request-id: stalled-1\r\n" + ("connection: close\r\n" if asgi else "")
+            await asyncio.get_running_loop().sock_sendall(
+                sock, _request(_body("long"), extra=extra)
+            )
+            await eventually(
+                lambda: connection not in state.connections,
+                timeout=20,
+                what="the client reading nothing cut",
+            )
+
+
 async def test_a_slow_reader_that_keeps_reading_is_not_cut_by_send_timeout(fake):
     """``send_timeout`` bounds how long a client may read nothing, not how long it takes to
     read: a reader slower than the gateway writes (its writes wait for it), reading a little

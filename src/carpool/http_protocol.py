@@ -172,7 +172,7 @@ from .reply import SLICE_BYTES, Reply, sliced
 from .request import ENDPOINTS, ClientRequest
 from .request_id import CURRENT as REQUEST_ID
 from .request_id import HEADER, request_id
-from .server import CUT, SIMULATED_LABEL, GatewayApp
+from .server import CUT, RID, SIMULATED_LABEL, GatewayApp
 
 __all__ = ["GatewayProtocol", "protocol"]
 
@@ -560,7 +560,16 @@ class GatewayProtocol(HttpToolsProtocol):
         if left < self.send_left:  # (it read some: it is slow, not gone)
             self.send_left, self.send_since = left, now
         elif now - self.send_since >= timeout:
-            log.info("a client read nothing for %g s: its connection is closed", timeout)
+            # (Under the id of the request being answered: this runs in the connection's
+            # context, on uvloop even when a request's write filled the transport.)
+            answered = [c for c in (self.serving, self.answering) if c and not c.response_complete]
+            rid = cast(dict[str, Any], answered[0].scope).get(RID) if answered else None
+            said = REQUEST_ID.set(rid.decode("ascii")) if rid else None
+            try:
+                log.info("a client read nothing for %g s: its connection is closed", timeout)
+            finally:
+                if said is not None:
+                    REQUEST_ID.reset(said)
             transport.abort()
             return
         self._send_watch()
@@ -725,6 +734,7 @@ class GatewayProtocol(HttpToolsProtocol):
         reply: Reply | None,
     ) -> None:
         REQUEST_ID.set(rid.decode("ascii"))
+        cast(dict[str, Any], cycle.scope)[RID] = rid  # (a key of ours)
         app = self.gateway_app
         assert app is not None
         try:

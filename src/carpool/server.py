@@ -229,7 +229,7 @@ class GatewayApp:
             # as by a library call. (Closed: refused, ``_route``.)
             self.gateway.bind()
         # Every response says which request it answers (``request_id``), as its log lines do.
-        rid = request_id(scope["headers"])
+        rid = scope[RID] = request_id(scope["headers"])
         REQUEST_ID.set(rid.decode("ascii"))
         headed = False
 
@@ -513,6 +513,9 @@ CONFINED = "carpool.confined_path"
 # nothing more and logs nothing of it. Under another server it is absent: the response is left
 # incomplete, and the server closes the connection (uvicorn's own with an error line).
 CUT = "carpool.cut_connection"
+# The scope key of the request's id (``request_id``), for what carpool's HTTP protocol logs of
+# it outside its task (a client cut for reading nothing: ``limits.send_timeout``).
+RID = "carpool.request_id"
 
 
 class _Relay(StreamingResponse):
