@@ -272,16 +272,13 @@ def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sen
 
 
 @pytest.mark.parametrize(
-    "path, body",
+    "path, body, apart",
     [
-        ("/v1/completions", {"model": "m", "temperature": 0, "prompt": "Hi", "echo": True}),
+        ("/v1/completions", {"model": "m", "temperature": 0, "prompt": "Hi", "echo": True}, True),
         (
             "/v1/completions",
             {"model": "m", "temperature": 0, "prompt": "Hi", "logprobs": 1, "echo": 1},
-        ),
-        (
-            "/v1/completions",
-            {"model": "m", "temperature": 0, "prompt": "Hi", "return_token_ids": True},
+            True,
         ),
         (
             CHAT,
@@ -291,19 +288,27 @@ def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sen
                 "echo": True,
                 "messages": [{"role": "user", "content": "Hi"}],
             },
+            True,
+        ),
+        (
+            "/v1/completions",
+            {"model": "m", "temperature": 0, "prompt": "Hi", "return_token_ids": True},
+            False,
         ),
     ],
-    ids=["completions-echo", "echo-logprobs", "return_token_ids", "chat-echo"],
+    ids=["completions-echo", "echo-logprobs", "chat-echo", "return_token_ids"],
 )
-def test_an_answer_that_repeats_its_prompt_is_keyed_apart_streamed_or_not(path, body):
+def test_an_echo_request_is_keyed_apart_streamed_or_not(path, body, apart):
     # llama.cpp's server repeats the prompt (echo) in a whole answer, not in a stream: the
     # answer assembled from a streaming client's call was stored and served to the JSON
-    # clients of the request, and joined by them, without its prompt. Streamed or not, such
-    # a request is a request of its own; any other is the same request either way.
+    # clients of the request, and joined by them, without its prompt. Streamed or not, an
+    # echo request is a request of its own; any other is the same request either way (vLLM's
+    # return_token_ids streams the prompt's ids in its first chunk).
     streamed = key({**body, "stream": True}, path=path)
     assert streamed is not None
-    assert streamed != key(body, path=path) == key({**body, "stream": False}, path=path)
-    plain = {k: v for k, v in body.items() if k not in ("echo", "return_token_ids")}
+    assert (streamed != key(body, path=path)) is apart
+    assert key(body, path=path) == key({**body, "stream": False}, path=path)
+    plain = {k: v for k, v in body.items() if k != "echo"}
     assert key({**plain, "stream": True}, path=path) == key(plain, path=path)
 
 

@@ -28,7 +28,7 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``echo``, vLLM's ``prompt_logprobs``, ``return_token_ids`` or Responses
   ``enable_response_messages`` (``apis.openai.echoes_prompt``), the input text is exact; a
   Responses ``instructions``, which every Responses answer repeats, always is. Folded, one
-  spelling was served the other's text back, word for word, as its own. Such a request has
+  spelling was served the other's text back, word for word, as its own. One with ``echo`` has
   ``stream`` in its key too: engines repeat the prompt in a whole answer and not always in a
   stream (llama.cpp's server), so a stream's answer is no JSON client's.
 - Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
@@ -543,10 +543,11 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             out[name] = _ordered(value)
         else:
             out[name] = _canonical(value)
-    if echoes_prompt(body) and "stream" in excluded:
+    if body.get("echo") not in (None, False) and "stream" in excluded:
         # Engines repeat the prompt in a whole answer and not always in a stream (llama.cpp's
         # server: ``echo`` only in the whole one): the answer assembled from a stream was
-        # served to, and joined by, the request's JSON clients without its prompt.
+        # served to, and joined by, the request's JSON clients without its prompt. (vLLM's
+        # ``return_token_ids`` streams the prompt's ids in its first chunk: one answer.)
         out["stream"] = body.get("stream") is True
     return out
 
