@@ -1982,3 +1982,27 @@ async def test_an_invalidation_of_everything_reaches_a_master_added_since_the_in
         again = await a.chat("scale out")
     assert again.headers["x-carpool"] == "miss"
     assert fake.count() == 2
+
+
+async def test_a_read_redirected_to_a_master_the_instance_does_not_know_yet_follows_it(
+    fake, own_redis_cluster
+):
+    """A slot migrating to a master added since the instance read the topology: a read of a
+    key already moved is redirected there (ASK), and redis-py, not knowing that node, failed
+    (an AttributeError inside it): Redis taken for failing, the instance degraded, the stored
+    answer not served. The node is learned as a MOVED would teach it."""
+    cluster = own_redis_cluster
+    async with two_gateways(fake, cluster, admin_token="t") as (a, b):
+        first = await a.chat("mid-migration")
+        entry_key = next(key for key in await redis_keys(cluster) if key.startswith(b"carpool:e:"))
+        import redis
+
+        with redis.Redis(host=cluster.nodes[0].host, port=cluster.nodes[0].port) as client:
+            slot = client.execute_command("CLUSTER", "KEYSLOT", entry_key)
+        added = await asyncio.to_thread(cluster.add_master)
+        await asyncio.to_thread(cluster.move_slot, slot, added, finish=False)
+        again = await b.chat("mid-migration")
+        health = (await b.client.get("/healthz")).json()
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+    assert fake.count() == 1
+    assert health["redis"]["state"] == "up" and health["redis"]["errors"] == 0, health

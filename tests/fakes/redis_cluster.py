@@ -163,9 +163,10 @@ class RedisCluster:
             time.sleep(0.05)
         return len(self.nodes) - 1
 
-    def move_slot(self, slot: int, to: int) -> None:
+    def move_slot(self, slot: int, to: int, *, finish: bool = True) -> None:
         """``slot``, which holds keys, and every key in it, moved to node ``to`` (a reshard's
-        steps: IMPORTING, MIGRATING, MIGRATE, then the new owner told to every node)."""
+        steps: IMPORTING, MIGRATING, MIGRATE, then the new owner told to every node; not
+        ``finish``: that last step not taken, the slot left migrating, its keys moved)."""
         import redis
 
         clients = [redis.Redis(host=node.host, port=node.port) for node in self.nodes]
@@ -183,7 +184,7 @@ class RedisCluster:
                 clients[owner].execute_command(
                     "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys
                 )
-            for client in clients:
+            for client in clients if finish else ():
                 client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
         finally:
             for client in clients:

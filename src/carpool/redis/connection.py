@@ -370,7 +370,8 @@ def _cluster_options() -> frozenset[str]:
 
 @functools.cache
 def _cluster_class() -> type:
-    from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+    from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+    from redis.cluster import PRIMARY
 
     class Cluster(RedisCluster):
         """redis-py's cluster client, its topology read before the first command is routed.
@@ -384,6 +385,19 @@ def _cluster_class() -> type:
         async def ready(self) -> None:
             if self._initialize:
                 await self.initialize()  # (itself under the client's lock: runs once)
+
+        def get_node(self, host: Any = None, port: Any = None, node_name: str | None = None) -> Any:
+            node = super().get_node(host, port, node_name)
+            if node is None and node_name is not None and host is None:
+                # An ASK to a node this client does not know yet (a master added since it
+                # read the topology, importing a slot): redis-py looks it up by name and
+                # failed on None inside (an AttributeError: Redis taken for failing, the
+                # instance degraded). Learned as a MOVED to it would teach it.
+                name, _, number = node_name.rpartition(":")
+                manager = self.nodes_manager
+                node = ClusterNode(name, int(number), PRIMARY, **manager.connection_kwargs)
+                manager.set_nodes(manager.nodes_cache, {node.name: node})
+            return node
 
         async def read_topology(self) -> None:
             await self.ready()
