@@ -1958,6 +1958,18 @@ async def test_each_instance_serves_no_answer_older_than_its_own_ttl(fake, share
         assert fake.count() == 4
 
 
+async def _entry_moved_to_a_new_master(cluster, *, finish: bool = True) -> None:
+    """The slot of the one stored answer (its entry's keys) moved to a master added to
+    ``cluster`` now (a scale-out); not ``finish``: left migrating, its keys moved."""
+    import redis
+
+    entry_key = next(key for key in await redis_keys(cluster) if key.startswith(b"carpool:e:"))
+    with redis.Redis(host=cluster.nodes[0].host, port=cluster.nodes[0].port) as client:
+        slot = client.execute_command("CLUSTER", "KEYSLOT", entry_key)
+    added = await asyncio.to_thread(cluster.add_master)
+    await asyncio.to_thread(cluster.move_slot, slot, added, finish=finish)
+
+
 async def test_an_invalidation_of_everything_reaches_a_master_added_since_the_instance_started(
     fake, own_redis_cluster
 ):
@@ -1970,13 +1982,7 @@ async def test_an_invalidation_of_everything_reaches_a_master_added_since_the_in
     async with two_gateways(fake, cluster, admin_token="t") as (a, b):
         first = await a.chat("scale out")
         assert first.headers["x-carpool"] == "miss"
-        entry_key = next(key for key in await redis_keys(cluster) if key.startswith(b"carpool:e:"))
-        import redis
-
-        with redis.Redis(host=cluster.nodes[0].host, port=cluster.nodes[0].port) as client:
-            slot = client.execute_command("CLUSTER", "KEYSLOT", entry_key)
-        added = await asyncio.to_thread(cluster.add_master)
-        await asyncio.to_thread(cluster.move_slot, slot, added)
+        await _entry_moved_to_a_new_master(cluster)
         invalidated = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
         assert invalidated.status_code == 200, invalidated.text
         again = await a.chat("scale out")
@@ -1994,13 +2000,7 @@ async def test_a_read_redirected_to_a_master_the_instance_does_not_know_yet_foll
     cluster = own_redis_cluster
     async with two_gateways(fake, cluster, admin_token="t") as (a, b):
         first = await a.chat("mid-migration")
-        entry_key = next(key for key in await redis_keys(cluster) if key.startswith(b"carpool:e:"))
-        import redis
-
-        with redis.Redis(host=cluster.nodes[0].host, port=cluster.nodes[0].port) as client:
-            slot = client.execute_command("CLUSTER", "KEYSLOT", entry_key)
-        added = await asyncio.to_thread(cluster.add_master)
-        await asyncio.to_thread(cluster.move_slot, slot, added, finish=False)
+        await _entry_moved_to_a_new_master(cluster, finish=False)
         again = await b.chat("mid-migration")
         health = (await b.client.get("/healthz")).json()
     assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
