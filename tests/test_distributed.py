@@ -2006,3 +2006,27 @@ async def test_a_read_redirected_to_a_master_the_instance_does_not_know_yet_foll
     assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
     assert fake.count() == 1
     assert health["redis"]["state"] == "up" and health["redis"]["errors"] == 0, health
+
+
+async def test_a_command_on_a_slot_caught_mid_migration_leaves_the_instance_up(
+    fake, own_redis_cluster
+):
+    """A reshard caught between its steps: a command on several keys of the slot, some moved
+    and some not (a flight's claim reads the entry, moved, and writes the lock, not there
+    yet), is refused with TRYAGAIN until redis-py's retries run out. Redis answered: the
+    instance served the request (a miss, called upstream) and stays up, the refusal counted
+    apart (``slot_moving``), not as Redis failing (a degraded period, sharing off)."""
+    cluster = own_redis_cluster
+    async with two_gateways(fake, cluster, admin_token="t") as (a, b):
+        first = await a.chat("mid-reshard")
+        await _entry_moved_to_a_new_master(cluster, finish=False)
+        again = await b.chat("mid-reshard", headers={"cache-control": "no-cache"})
+        health = (await b.client.get("/healthz")).json()
+        stats = (await b.client.get("/stats", headers={"Authorization": "Bearer t"})).json()
+        metrics = (await b.client.get("/metrics", headers={"Authorization": "Bearer t"})).text
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "miss")
+    assert fake.count() == 2
+    assert health["redis"]["state"] == "up" and health["redis"]["errors"] == 0, health
+    moving = stats["redis"]["slot_moving"]
+    assert moving >= 1, stats["redis"]
+    assert f"carpool_redis_slot_moving_total {float(moving)}" in metrics

@@ -64,6 +64,7 @@ async def test_metrics_count_requests_by_route_and_outcome_and_upstream_calls_by
     assert samples(text, "carpool_redis_errors_total") == {'{component="store"}': 0}
     assert samples(text, "carpool_redis_pool_exhausted_total") == {"": 0}
     assert samples(text, "carpool_redis_full_total") == {"": 0}
+    assert samples(text, "carpool_redis_slot_moving_total") == {"": 0}
 
 
 async def test_healthz_shows_no_traffic_counters_when_the_admin_token_is_set(

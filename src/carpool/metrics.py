@@ -298,6 +298,12 @@ class _StatsCollector(Collector):
             "served, not shared; Redis not marked down.",
             value=g["redis_full"],
         )
+        yield CounterMetricFamily(
+            "carpool_redis_slot_moving",
+            "Redis Cluster calls refused while their slot was being migrated (a reshard): run "
+            "without sharing; Redis not marked down.",
+            value=g["redis_slot_moving"],
+        )
         yield GaugeMetricFamily(
             "carpool_flights",
             "Upstream calls in flight (and lingering in the coalescing window); with Redis or "

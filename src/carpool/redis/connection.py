@@ -26,7 +26,13 @@ Contract
   carpool writes there (``WRONGTYPE``: something else wrote it) is :class:`WrongType`, a
   third: Redis answered; the layer that reads the key treats it as a value it cannot read
   (``store``: a miss, the key dropped; ``idempotency``: a response not kept), never as an
-  outage. A layer that does not handle it takes it as any failure. A call whose task was
+  outage. A layer that does not handle it takes it as any failure. A command a Redis Cluster
+  refused while its slot was being migrated (a reshard between its steps: ``TRYAGAIN`` for a
+  command on several keys, some moved and some not, or redirections, until redis-py's 16
+  tries ran out: ``ClusterError: TTL exhausted``) is :class:`SlotMoving`, a fourth: Redis
+  answered and ran nothing; the health counts it (``slot_moving``), logs it, and starts no
+  degraded period (a reshard's minutes of those made an instance flap degraded, sharing
+  off). The layers take it as a failed call otherwise. A call whose task was
   cancelled during it ends cancelled, even where the client library then returned its reply
   or failed (redis-py's send uses ``asyncio.wait_for``, which on Python 3.11 returns a result
   that came with the cancellation, gh-86296: a lease keeper cancelled there renewed on and,
@@ -91,6 +97,7 @@ __all__ = [
     "Health",
     "PoolExhausted",
     "RedisFull",
+    "SlotMoving",
     "StoreUnavailable",
     "WrongType",
     "connect",
@@ -165,6 +172,12 @@ class WrongType(StoreUnavailable):
 class RedisFull(StoreUnavailable):
     """Redis refused a write that grows it: ``maxmemory`` reached under ``noeviction``. Redis
     answers (never a reason for a degraded period); what was refused is not shared."""
+
+
+class SlotMoving(StoreUnavailable):
+    """A Redis Cluster refused the command while its keys' slot was being migrated, until the
+    client's tries ran out (the module's contract). Redis answers and ran nothing (never a
+    reason for a degraded period)."""
 
 
 # The first line of every Lua script (the module's contract): refused whole by a full Redis,
@@ -472,17 +485,26 @@ _CLOSED_TRANSPORT = "unable to perform operation on"
 def _translated(what: str) -> Iterator[None]:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import (
+        ClusterError,
         MaxConnectionsError,
         OutOfMemoryError,
         RedisClusterException,
         RedisError,
         ResponseError,
+        TryAgainError,
     )
 
     try:
         yield
     except OutOfMemoryError as exc:
         raise RedisFull(f"{what}: Redis is full (maxmemory): {exc}") from exc
+    except TryAgainError as exc:  # (a pipeline's, which redis-py does not try again)
+        raise SlotMoving(f"{what}: a slot being migrated: {exc}") from exc
+    except ClusterError as exc:
+        # redis-py's cluster client ran out of tries: TRYAGAIN, ASK or MOVED every time, which
+        # only a slot in migration answers (a node that failed raises its own error at once).
+        kind = SlotMoving if "TTL exhausted" in str(exc) else StoreUnavailable
+        raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except ResponseError as exc:
         # (In a script too: Redis >= 7 keeps the error's code at the start of its message.)
         kind = WrongType if str(exc).startswith("WRONGTYPE") else StoreUnavailable

@@ -37,7 +37,10 @@ Contract (on top of ``store.base``):
   does not use the local store (a get is a miss, a put is not kept: nothing would ever clear it
   of later invalidations). A write a full Redis refused (``RedisFull``: ``maxmemory`` reached
   under ``noeviction``) is the same: Redis answers, the answer is not kept anywhere (counted as
-  ``full``, logged), no degraded period.
+  ``full``, logged), no degraded period. A command a Redis Cluster refused while its slot was
+  being migrated (``SlotMoving``: a reshard between its steps) is the same again: Redis
+  answers and ran nothing; a get is a miss, a put is not kept, counted as ``slot_moving``,
+  logged, no degraded period (a reshard's minutes of them made an instance flap degraded).
 - ``generation()`` before a call begins and ``put(..., since=...)`` with its answer: an
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
@@ -63,7 +66,7 @@ import time
 from typing import Any
 
 from ..background import Background
-from ..redis.connection import PoolExhausted, RedisFull
+from ..redis.connection import PoolExhausted, RedisFull, SlotMoving
 from ..redis.store import RedisStore
 from .base import Entry, Selector, StoreUnavailable
 from .memory import MemoryStore
@@ -88,8 +91,10 @@ class SharedStore:
         self.store_errors = 0  # this store's own among them
         self.pool_exhausted = 0  # calls that found no free connection in time
         self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
+        self.slot_moving = 0  # calls a Redis Cluster refused as their slot was migrating
         self._last_pool_log = float("-inf")
         self._last_full_log = float("-inf")
+        self._last_moving_log = float("-inf")
         self.down_since: float | None = None  # wall clock, for /stats
         self._next_try = 0.0  # monotonic
         self._last_log = float("-inf")
@@ -129,6 +134,7 @@ class SharedStore:
             "errors": self.errors,
             "pool_exhausted": self.pool_exhausted,
             "full": self.full,
+            "slot_moving": self.slot_moving,
             "down_since": self.down_since,
         }
 
@@ -164,7 +170,7 @@ class SharedStore:
             return self.local.get_now(key)
         try:
             entry = await self.redis.get(key)
-        except PoolExhausted as error:
+        except (PoolExhausted, SlotMoving) as error:
             # Not an outage: the local store is not in use (nothing there is kept up to date
             # with invalidations), so this lookup is a miss.
             self._failed(error)
@@ -200,7 +206,7 @@ class SharedStore:
         if not self._skip_redis():
             try:
                 kept = await self.redis.put(key, entry, since=since)
-            except (PoolExhausted, RedisFull) as error:
+            except (PoolExhausted, RedisFull, SlotMoving) as error:
                 self._failed(error)
                 return True  # (not kept locally: see ``get``; but not outdated)
             except StoreUnavailable as error:
@@ -273,6 +279,18 @@ class SharedStore:
                     "redis is full (maxmemory, noeviction): %d writes refused so far, those "
                     "answers are not shared; raise maxmemory or lower the TTLs",
                     self.full,
+                )
+            return
+        if isinstance(error, SlotMoving):
+            # Redis answers; a reshard is moving this call's slot (it ran nothing).
+            self.slot_moving += 1
+            if now - self._last_moving_log >= self.log_interval:
+                self._last_moving_log = now
+                log.warning(
+                    "a redis cluster slot is being migrated: %d calls refused so far, those "
+                    "ran without sharing (%s)",
+                    self.slot_moving,
+                    error.__cause__ or error,
                 )
             return
         self.errors += 1
