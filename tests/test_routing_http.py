@@ -642,3 +642,88 @@ async def test_a_5xx_answer_to_a_pass_through_call_is_relayed_and_leaves_its_rep
     assert sorted(statuses) == [200, 503]
     assert a.count("/v1/models") == b.count("/v1/models") == 1
     assert health["healthy"] is False and health["failures"] == 2
+
+
+def _turn(api: str, system: str, turns: list[str], stream: bool = False) -> tuple[str, dict]:
+    """The request of a conversation's next turn on ``api``: ``turns`` alternate user and
+    assistant texts, the user's last."""
+    roles = ["user", "assistant"] * len(turns)
+    if api == "completions":
+        return "/v1/completions", {
+            "model": "m",
+            "temperature": 0,
+            "prompt": system + "".join(turns),
+        }
+    if api == "messages":
+        messages = [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)]
+        body = {"model": "m", "max_tokens": 50, "system": system, "messages": messages}
+        return "/v1/messages", {**body, "temperature": 0}
+    if api == "responses":
+        items = [
+            {"role": "user", "content": t}
+            if r == "user"
+            else {"role": "assistant", "content": [{"type": "output_text", "text": t}]}
+            for r, t in zip(roles, turns, strict=False)
+        ]
+        return "/v1/responses", {
+            "model": "m",
+            "temperature": 0,
+            "store": False,
+            "instructions": system,
+            "input": items,
+        }
+    messages = [{"role": "system", "content": system}]
+    messages += [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)]
+    return "/v1/chat/completions", {
+        "model": "m",
+        "temperature": 0,
+        "messages": messages,
+        "stream": stream,
+    }
+
+
+@pytest.mark.parametrize("api", ["chat", "chat-stream", "completions", "messages", "responses"])
+async def test_the_next_turn_of_a_conversation_goes_to_the_replica_that_answered_the_last(api):
+    """The replica that answered a turn holds the prompt and the answer in its KV cache (vLLM,
+    SGLang keep the generated tokens' blocks), and the next turn's prompt begins with both.
+    Only the prompt was recorded, so with an answer longer than its question the next turn
+    matched under ``cache_threshold`` and went to the least-loaded replica (about 2 in 3 of
+    them elsewhere, its whole context computed again). The answer is recorded too."""
+    answer = "The answer, at some length. " * 30  # (~840 characters, longer than the prompt)
+    async with replicas(3) as fakes:
+        for fake in fakes:
+            fake.answer_text = lambda n, body: f"{n}. {answer}"
+        async with run_gateway([f.url for f in fakes]) as gw:  # cache-aware by default
+            for c in range(6):
+                system = f"Conversation {c}: you are a careful assistant. " * 6  # ~300
+                first = f"First question of conversation {c}, about its subject?"
+                path, body = _turn(api.removesuffix("-stream"), system, [first])
+                if api == "chat-stream":
+                    async with gw.client.stream("POST", path, json={**body, "stream": True}) as r:
+                        raw = (await r.aread()).decode()
+                    text = "".join(
+                        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                        for line in raw.splitlines()
+                        if line.startswith("data: {")
+                    )
+                else:
+                    done = (await gw.client.post(path, json=body)).json()
+                    text = {
+                        "chat": lambda d: d["choices"][0]["message"]["content"],
+                        "completions": lambda d: d["choices"][0]["text"],
+                        "messages": lambda d: d["content"][0]["text"],
+                        "responses": lambda d: d["output"][0]["content"][0]["text"],
+                    }[api](done)
+                assert answer.strip() in text
+                then = f"And a second question of conversation {c}?"
+                path, body = _turn(api.removesuffix("-stream"), system, [first, text, then])
+                assert (await gw.client.post(path, json=body)).status_code == 200
+            routing = (await gw.client.get("/stats")).json()["routing"]
+    served = {  # conversation -> the replicas that served its turns
+        c: {
+            i for i, fake in enumerate(fakes) for call in fake.calls if tag in json.dumps(call.body)
+        }
+        for c, tag in ((c, f"Conversation {c}:") for c in range(6))
+    }
+    assert all(len(where) == 1 for where in served.values()), served
+    assert routing.get("prefix_match", 0) == 6, routing

@@ -104,6 +104,8 @@ if TYPE_CHECKING:
     from .config import Config
     from .layers import Layers
     from .metrics import Stats
+    from .routing import RoutingPolicy
+    from .routing.replicas import ReplicaState
 
 # The end of the key of a flight whose call is asked without its usage (``flight_key``).
 WITHOUT_USAGE = "\nwithout usage"
@@ -165,7 +167,26 @@ async def send(
     if tenant is not None and request is not None and 200 <= status < 300:
         remember = partial(layers.holders.remember, tenant, replica=replica.name)
         response = _remembering(response, request.api, remember)
+    if text and request is not None and 200 <= status < 300 and replicas.policy.learns_answers:
+        response.answered = partial(_answered, replicas.policy, request.api, text, replica, scope)
     return response
+
+
+def _answered(
+    policy: RoutingPolicy,
+    api: Api,
+    text: str,
+    replica: ReplicaState,
+    scope: bytes,
+    answer: dict[str, Any],
+) -> None:
+    """``replica``'s answer to the prompt ``text``, told to the routing policy as the next
+    turn's prompt will begin: the prompt, then the answer's text (``Api.answer_texts``)."""
+    texts = api.answer_texts(answer)
+    if texts:
+        policy.on_answered(
+            text + ("" if api.prompt_goes_on else "\n") + "\n".join(texts), replica, scope
+        )
 
 
 def _remembering(
@@ -303,10 +324,10 @@ class Exchange:
                 error.requester = requester_digest(request.body)
                 raise error
             if response.streaming:
-                answer = await _consume(request.kind, response, broadcast, body)
+                answer = await _consume(request.kind, response, broadcast, body, response.answered)
             else:
                 try:
-                    answer = _complete(request.kind, response.body, body)
+                    answer = _complete(request.kind, response.body, body, response.answered)
                 except UpstreamError:
                     # A 2xx that is no answer (a maintenance page, a JSON array): the attempt
                     # was counted by its status, the call failed all the same (as below).
@@ -503,7 +524,11 @@ def _whole_answer(api: Api, raw: bytes) -> bool:
 
 
 async def _consume(
-    kind: str, response: UpstreamResponse, broadcast: Broadcast, asked: dict[str, Any]
+    kind: str,
+    response: UpstreamResponse,
+    broadcast: Broadcast,
+    asked: dict[str, Any],
+    answered: Callable[[dict[str, Any]], None] | None = None,
 ) -> Answer:
     """Publish an upstream stream as it comes (the frames of one read at once, the very first
     frame alone); judge and assemble it once it ends.
@@ -517,7 +542,7 @@ async def _consume(
     ``stop_reason``) is the upstream's own answer, served as it came and not stored; so is a
     chat or completions stream with more than one usage-only chunk. A raise
     fails the flight: every client gets an error (streaming ones an SSE error event) and
-    nothing is stored.
+    nothing is stored. ``answered``: told the assembled body (``UpstreamResponse.answered``).
     """
     api = api_of(kind)
     collector = api.collector()
@@ -533,6 +558,8 @@ async def _consume(
             payloads = payloads[1:]
         usages += _publish(api, payloads, collector, broadcast)
     body, complete = collector.judge(asked)
+    if answered is not None:
+        answered(body)
     return Answer(
         kind,
         orjson.dumps(body),
@@ -601,12 +628,20 @@ def _publish(api: Api, payloads: list[bytes], collector: Collector, broadcast: B
     return usages
 
 
-def _complete(kind: str, raw: bytes, asked: dict[str, Any]) -> Answer:
+def _complete(
+    kind: str,
+    raw: bytes,
+    asked: dict[str, Any],
+    answered: Callable[[dict[str, Any]], None] | None = None,
+) -> Answer:
     """A whole upstream body as an ``Answer``: ``complete`` (storable) only when its API judges
     it so (``Api.complete``: for chat and completions, every choice that ``asked`` (the request
     body sent) asked for is there and finished). An incomplete one is still the upstream's own
-    2xx answer: its clients get it as it came; it is never stored."""
+    2xx answer: its clients get it as it came; it is never stored. ``answered``: told the
+    parsed body (``UpstreamResponse.answered``)."""
     parsed = _parsed(raw)
+    if answered is not None:
+        answered(parsed)
     return Answer.from_body(kind, parsed, raw, api_of(kind).complete(parsed, asked))
 
 

@@ -850,3 +850,21 @@ def test_a_failure_logged_shows_its_urls_without_query_or_credentials():
     for secret in ("PASSWORD", "UPSECRET", "CLIENTSECRET"):
         assert secret not in logged, logged
     assert "http://***@127.0.0.1:5/v1/loop" in logged and "127.0.0.1:5/v1/models" in logged
+
+
+async def test_a_replica_that_could_not_be_reached_is_remembered_holding_no_prefix():
+    """A replica whose connection was refused has most likely restarted, its KV cache empty.
+    What was recorded of it (its prompts, and the prompt of the very call that could not
+    reach it) was kept: once back, it drew the prefixes it no longer holds (as deep a match
+    as the replica that computed them meanwhile, and fewer calls). It is forgotten."""
+    replicas, (r0, r1), _ = replica_set("ok", "ok", policy="cache-aware")
+    record = replicas.policy.record
+    prompt = "You are the assistant of a long conversation. " * 20
+    _, first, _ = await replicas.send(REQUEST, prompt)
+    held = r0 if first.name == "r0" else r1
+    assert record.size_chars(first.name) > 0
+    held.mode = "unreachable"
+    _, second, decision = await replicas.send(REQUEST, prompt + " and more")
+    assert second.name != first.name and decision is Decision.FAILOVER
+    assert record.size_chars(first.name) == 0
+    assert replicas.in_flight == 0

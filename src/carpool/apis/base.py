@@ -124,6 +124,16 @@ class Api:
         (the prefix cache) and for invalidation by prompt prefix."""
         return []
 
+    # Whether the next request's prompt goes on with an answer's text (a completion's), rather
+    # than holding it as a turn of its own, joined to the others as ``input_texts`` are.
+    prompt_goes_on: bool = False
+
+    def answer_texts(self, answer: dict[str, Any]) -> list[str]:
+        """The texts a 2xx ``answer`` adds to its conversation, as ``input_texts`` reads them
+        in the next turn's request: routing records them with the prompt, as the engine that
+        made them holds them in its prefix cache (``exchange.send``)."""
+        return []
+
     def keeps_state(self, body: dict[str, Any]) -> bool:
         """Whether this request may continue state the upstream keeps, or its answer make some
         (``state_continued``, ``state_made``): only then are they asked (an answer of no such

@@ -157,6 +157,9 @@ class MessagesApi(TypedApi):
             texts += text_parts(message.get("content"))
         return texts
 
+    def answer_texts(self, answer: dict[str, Any]) -> list[str]:
+        return text_parts(answer.get("content"))
+
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         return last_user_turn(body)
 

@@ -179,6 +179,10 @@ class ChatApi(_Classic):
             for text in text_parts(m.get("content"))
         ]
 
+    def answer_texts(self, answer: dict[str, Any]) -> list[str]:
+        message = _first_choice(answer).get("message")
+        return text_parts(message.get("content")) if isinstance(message, dict) else []
+
     def keeps_state(self, body: dict[str, Any]) -> bool:
         return body.get("store") is True  # (OpenAI's default is false: nothing kept)
 
@@ -210,6 +214,12 @@ class CompletionApi(_Classic):
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:
         return _texts(body.get("prompt"))
+
+    prompt_goes_on = True
+
+    def answer_texts(self, answer: dict[str, Any]) -> list[str]:
+        text = _first_choice(answer).get("text")
+        return [text] if isinstance(text, str) else []
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         prompt = body.get("prompt")
@@ -332,3 +342,10 @@ def _texts(value: Any) -> list[str]:
     if isinstance(value, list):
         return [item for item in value if isinstance(item, str)]
     return []
+
+
+def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer's first choice (``{}`` where it has none it can read)."""
+    choices = answer.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return first if isinstance(first, dict) else {}

@@ -160,6 +160,15 @@ class ResponsesApi(TypedApi):
                 texts += text_parts(item.get("content"))
         return texts
 
+    def answer_texts(self, answer: dict[str, Any]) -> list[str]:
+        # (Its output items, given back as the next turn's input items: ``input_texts``.)
+        output = answer.get("output")
+        texts: list[str] = []
+        for item in output if isinstance(output, list) else ():
+            if isinstance(item, dict):
+                texts += text_parts(item.get("content"))
+        return texts
+
     def keeps_state(self, body: dict[str, Any]) -> bool:
         return True  # stored unless ``store: false``, which still continues one
 

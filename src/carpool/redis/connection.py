@@ -483,7 +483,6 @@ _CLOSED_TRANSPORT = "unable to perform operation on"
 
 @contextlib.contextmanager
 def _translated(what: str) -> Iterator[None]:
-    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import (
         ClusterError,
         MaxConnectionsError,
@@ -493,6 +492,7 @@ def _translated(what: str) -> Iterator[None]:
         ResponseError,
         TryAgainError,
     )
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     try:
         yield

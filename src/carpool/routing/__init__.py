@@ -70,6 +70,19 @@ class RoutingPolicy(Protocol):
         """A request to ``replica`` finished (answered, failed, cancelled, or its stream closed)."""
         return None
 
+    def on_lost(self, replica: ReplicaState) -> None:
+        """``replica`` could not be reached (refused, reset): it comes back, if it does, with
+        nothing cached."""
+        return None
+
+    # Whether ``on_answered`` is to be told (reading an answer's text costs a miss that much).
+    learns_answers: bool = False
+
+    def on_answered(self, text: str, replica: ReplicaState, scope: bytes = b"") -> None:
+        """``replica`` answered: ``text`` is the prompt it was sent followed by the answer's
+        text, as the next turn's prompt begins (what the engine's prefix cache now holds)."""
+        return None
+
 
 # The tunables live in the one typed config (``config.RoutingConfig``).
 RoutingSettings = RoutingConfig

@@ -45,6 +45,13 @@ cost: tenants share no prefix outside a shared namespace (a common system prompt
 each replica a tenant's requests go to, not once for all tenants). A policy given no scope
 (``b""``) uses the unscoped root.
 
+What is recorded: each prompt when it is sent (``on_sent``), and once its replica answered, the
+prompt followed by the answer's text (``on_answered``, told by ``exchange.send``: the engine
+keeps the generated tokens' blocks too, and a conversation's next turn begins with both; with
+the prompt alone, an answer longer than its question left that turn's match under
+``cache_threshold``). A replica that could not be reached (``on_lost``: refused, reset; most
+likely restarted) is forgotten: it comes back with nothing cached.
+
 Eviction keeps each replica's record prefix-closed: when a prompt is recorded its keys are
 touched from the deepest block to the first, so a block is always more recently used than every
 block below it and LRU eviction (per replica, beyond ``tree_budget_chars``) removes leaves first:
@@ -194,3 +201,15 @@ class CacheAware(RoutingPolicy):
         # prefix (in its scope) should follow it (SGLang inserts at selection too).
         if text:
             self.record.insert(text, replica.name, scope or ROOT)
+
+    def on_lost(self, replica: ReplicaState) -> None:
+        self.record.forget(replica.name)
+
+    learns_answers = True
+
+    def on_answered(self, text: str, replica: ReplicaState, scope: bytes = b"") -> None:
+        # The engine keeps the blocks of what it generated too, and a conversation's next turn
+        # begins with the prompt and this answer: recorded on, that turn matches it here (with
+        # the prompt alone, an answer longer than its question left the next turn's match
+        # under ``cache_threshold``, and the least-loaded replica computed it all again).
+        self.record.insert(text, replica.name, scope or ROOT)

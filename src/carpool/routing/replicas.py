@@ -381,6 +381,10 @@ class ReplicaSet:
                     response = await self._attempt(replica, request, text, scope)
                 except _RETRYABLE as error:
                     self._failed(replica, _what(error), seen)
+                    if isinstance(error, UpstreamUnreachable):
+                        # No connection (refused, reset): most likely restarted, its KV cache
+                        # empty; what the policy recorded of it would draw prefixes it lost.
+                        self.policy.on_lost(replica)
                     self._observe(replica, error.status, decision)
                     # Sent whole and not answered in time (``UpstreamNoAnswer``) by a replica that
                     # answered other calls meanwhile: alive, it may be running this one: not run

@@ -127,7 +127,7 @@ class UpstreamResponse:
     in lists: the payloads that came together (one read; the first event alone), never an empty
     list."""
 
-    __slots__ = ("status", "headers", "body", "_events", "_close")
+    __slots__ = ("status", "headers", "body", "_events", "_close", "answered")
 
     def __init__(
         self,
@@ -142,6 +142,9 @@ class UpstreamResponse:
         self.body = body
         self._events = events
         self._close = close
+        # Told a 2xx answer's body once its reader has it whole (parsed; a stream assembled):
+        # routing records what its replica now holds (``exchange.send``).
+        self.answered: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def streaming(self) -> bool:
