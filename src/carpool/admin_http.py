@@ -155,7 +155,7 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         if (
             not isinstance(spec, dict)
             or set(spec) - {"namespace", "tenant"}  # (a misspelt name is no {}: that is all)
-            or not all(isinstance(value, str | None) for value in spec.values())
+            or not all(isinstance(value, str) for value in spec.values())  # (null: no "all")
         ):
             raise RequestError(
                 'give {"namespace": "<name>", "tenant": "<label>"} (either), or {} for all'

@@ -453,6 +453,20 @@ async def test_the_audit_counters_never_go_down_an_admin_reset_empties_only_the_
         assert (await admin(gw, "GET", "/stats")).json()["semantic_audit"] == {}
 
 
+@pytest.mark.parametrize("spec", [{"namespace": None}, {"tenant": None}, {"namespace": 5}])
+async def test_a_reset_naming_no_string_is_refused_and_resets_nothing(fake, gateway_with, spec):
+    """``{"namespace": null}`` (a script's unset variable) reset every budget: a 400, as the
+    OpenAPI document says of a value that is not a string; only ``{}`` means all."""
+    async with gateway_with(**semantic(audit_rate=1.0, max_wrong_rate=0.05)) as gw:
+        audits = gw.gateway.layers.audits
+        for _ in range(MIN_AUDITS):  # every audit wrong: backed off
+            audits.record(budget("troubled"), True)
+        refused = await admin(gw, "POST", "/admin/semantic/audit/reset", json=spec)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+        assert audits.state(budget("troubled")) == "backed-off"
+
+
 # --------------------------------------------------------------------------- the budget
 
 
