@@ -1544,3 +1544,26 @@ async def test_a_body_not_valid_http_pipelined_behind_one_being_answered_is_refu
             status, headers, error = await _refusal(reader)
     assert answered == [200] * (1 + between)
     assert (status, error["code"], headers["x-request-id"]) == (400, "invalid_http", "framing-3")
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/v1/%6Dessages", "http://gw/v1/messages", "/v1/messages/"],
+    ids=["percent-encoded", "absolute-form", "trailing-slash"],
+)
+async def test_a_refusal_of_a_messages_path_however_written_is_in_anthropics_shape_and_counted(
+    fake, target
+):
+    """The gateway serves ``/v1/%6Dessages`` and the absolute form as the Messages endpoint
+    (uvicorn decodes the target's path), but the HTTP protocol's own refusals (431, 414, 408,
+    400) read the raw target: OpenAI's shape, no ``x-carpool: bypass``, counted nowhere. The
+    path is read as uvicorn reads it."""
+    async with _gateway(fake, limits={"max_header_bytes": 1000}) as (served, counted):
+        async with _socket(served) as (reader, writer):
+            pads = "".join(f"x-pad-{i}: {'p' * 90}\r\n" for i in range(20))
+            writer.write(_request(_body(), extra=pads).replace(CHAT.encode(), target.encode(), 1))
+            status, headers, error = await _refusal(reader)
+        stats = counted.app.gateway.stats.snapshot()
+    assert (status, headers["x-carpool"]) == (431, "bypass")
+    assert "code" not in error and error["type"] == "invalid_request_error", error  # Anthropic's
+    assert (stats["rejected"], stats["requests"]) == (1, 1), stats

@@ -146,6 +146,7 @@ from collections.abc import Callable
 from functools import partial
 from time import monotonic
 from typing import Any, cast
+from urllib.parse import unquote
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import (
@@ -1028,11 +1029,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # Only a POST is a cached endpoint's request: any other method on its path is
         # pass-through's, refused in OpenAI's shape and counted nowhere (as ``GatewayApp``).
         target = self.url if self.url_more is None else self.url_more  # (a target in pieces)
-        api = (
-            api_at(target.partition(b"?")[0].decode("latin-1"))
-            if self.parser.get_method() == _POST
-            else None
-        )
+        api = api_at(_target_path(target)) if self.parser.get_method() == _POST else None
         if api is not None and self.limits_app is not None:
             self.limits_app.gateway.stats.rejected += 1
         refusal = self._closing_error(error, api, rid or request_id(self.headers))
@@ -1191,3 +1188,15 @@ def _under(app: Any, through: Callable[[Any], bool]) -> GatewayApp | None:
             return None
         app = getattr(app, "app", None)
     return None
+
+
+def _target_path(target: bytes | bytearray) -> str:
+    """The path of a request target as uvicorn puts it in the ASGI scope, by which the gateway
+    serves it (``/v1/%6Dessages`` and the absolute form ``http://host/v1/messages`` are the
+    Messages endpoint): a refusal here is then in the shape of the endpoint served there."""
+    try:
+        path = httptools.parse_url(bytes(target)).path or b""
+    except httptools.HttpParserInvalidURLError:
+        return ""
+    text = path.decode("latin-1")
+    return unquote(text) if "%" in text else text
