@@ -574,3 +574,32 @@ def test_a_client_keys_file_that_cannot_be_read_is_a_config_error(tmp_path, cont
     path.write_bytes(content)
     with pytest.raises(ConfigError, match="client_keys_file"):
         Config.load(env={}, overrides={"auth": {"client_keys_file": str(path)}})
+
+
+@pytest.mark.parametrize("how", ["basic", "bearer", "x-api-key"])
+async def test_the_admin_token_presented_to_the_api_is_refused_never_sent_upstream(
+    fake, gateway_with, how
+):
+    """/dashboard asks a browser for Basic credentials at the root of the origin, so the
+    browser then sends them with every request there (RFC 7617 2.2), /v1 included: the admin
+    token went upstream as the client's credential (a third party's, for a hosted API). A
+    request to /v1 that presents it is a 401, read no further, sent nowhere."""
+    token = "s3cret-ADMIN-token"
+    headers = {
+        "basic": {"Authorization": "Basic " + base64.b64encode(f"op:{token}".encode()).decode()},
+        "bearer": bearer(token),
+        "x-api-key": {"x-api-key": token},
+    }[how]
+    async with gateway_with(admin_token=token) as gw:
+        for _ in range(2):  # (the second a byte-identical repeat)
+            chat = await gw.client.post("/v1/chat/completions", json=BODY, headers=headers)
+            assert chat.status_code == 401, chat.text
+            assert chat.headers["x-carpool"] == "bypass"
+        listed = await gw.client.get("/v1/models", headers=headers)
+        assert listed.status_code == 401, listed.text
+        assert token not in chat.text + listed.text
+        assert chat.json()["error"]["code"] == "admin_token_not_a_credential"
+        assert (await gw.client.get("/dashboard", headers=headers)).status_code == (
+            401 if how == "x-api-key" else 200
+        )
+    assert fake.count() == 0

@@ -13,6 +13,8 @@ Contract:
   body, so nothing of it is cached, shared or sent upstream.
 - Each key stays its own tenant: the tenant is made of the credentials the request presents
   (``identity.py``), the client key among them.
+- ``presented_anywhere(token, headers)``: whether any credential header presents ``token``
+  (the admin token: the server refuses a ``/v1`` request that does, never sends it upstream).
 - ``credentials(authorization, scheme)``: what an ``Authorization`` value carries in ``scheme``,
   the scheme compared in any case; how the client keys and the admin token are read. (The
   tenant is made of the header's value as sent, ``bearer x`` another tenant than ``Bearer x``:
@@ -101,3 +103,17 @@ def presents(token: str, authorization: str, basic: bool = False) -> bool:
         with contextlib.suppress(binascii.Error, ValueError):
             given = base64.b64decode(encoded, validate=True).partition(b":")[2]
     return bool(given) and hmac.compare_digest(given or b"", token.encode("utf-8"))
+
+
+def presented_anywhere(token: str, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether any credential header of a request (ASGI header pairs) presents ``token``: as
+    ``Authorization`` Bearer or Basic password, or as ``api-key``/``x-api-key``."""
+    wanted = token.encode("utf-8")
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization":
+            if presents(token, value.decode("latin-1"), basic=True):
+                return True
+        elif name in _CREDENTIALS and hmac.compare_digest(value.strip(), wanted):
+            return True
+    return False

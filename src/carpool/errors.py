@@ -287,6 +287,22 @@ class AdminRequired(CarpoolError):
     also = (("www-authenticate", 'Bearer realm="carpool admin"'),)
 
 
+class AdminTokenPresented(CarpoolError):
+    """401: a request to ``/v1/...`` presenting the admin token as its credential (a browser
+    that opened /dashboard sends its Basic credentials to every path of the origin): refused
+    before its body is read, never sent upstream, in its API's error shape."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "admin_token_not_a_credential"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway's admin token is no credential for /v1 requests and is never sent "
+            "upstream: present an API key instead."
+        )
+
+
 class UpstreamError(CarpoolError):
     """The upstream call failed; every waiter of the flight receives the same error, in its
     words only if the call was for the same request (``for_others``)."""

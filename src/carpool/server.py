@@ -86,6 +86,10 @@ Contract:
   OpenAI's error shape, compared in constant time): ``Authorization: Bearer <token>``, or Basic
   with the token as the password (either scheme in any case, RFC 9110 §11.1), so that a browser asks for it and then sends it with the
   dashboard's own polls of ``/stats``. Without a token they are open, as is ``/healthz``.
+  A request to ``/v1`` that presents the token (a browser sends the Basic credentials it
+  was asked for at the origin's root to every path there) is a 401
+  (``AdminTokenPresented``), read no further and sent nowhere: never upstream as a client's
+  credential.
 - ``/dashboard`` is served with a Content-Security-Policy that runs and applies only the page's
   own inline script and style (their SHA-256, taken at import from the bytes served), loads
   nothing, connects only to the gateway and may not be framed, with ``nosniff``,
@@ -152,11 +156,12 @@ from starlette.routing import Route
 from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH, Api, api_at
-from .auth import ClientKeys, presents
+from .auth import ClientKeys, presented_anywhere, presents
 from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, RUN_VARIABLE, load_resolved
 from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
+    AdminTokenPresented,
     BodyNotForwarded,
     CarpoolError,
     ClientKeyRefused,
@@ -216,6 +221,11 @@ class GatewayApp:
         self.other = _control_app(gateway, self.deadlines, self)
         keys_file = gateway.config.auth.client_keys_file
         self.client_keys = ClientKeys.load(keys_file) if keys_file else None
+        self.admin_token = gateway.config.admin_token or None
+
+    def _admin_token_in(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request presents the admin token as its credential (refused on /v1)."""
+        return self.admin_token is not None and presented_anywhere(self.admin_token, headers)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -293,6 +303,15 @@ class GatewayApp:
             await self._refuse(send, ClientKeyRefused(), _endpoint_api(scope))
             return
         if (
+            scope["path"].startswith("/v1/")
+            and scope.get(PEER) is not True
+            and self._admin_token_in(scope["headers"])
+        ):
+            # A browser that opened /dashboard sends its Basic credentials (the token) to
+            # every path of the origin: never upstream, as a client's credential would go.
+            await self._refuse(send, AdminTokenPresented(), _endpoint_api(scope))
+            return
+        if (
             scope["type"] == "http"
             and _header_bytes(scope["headers"]) > self.max_headers
             and scope.get(PEER) is not True
@@ -323,10 +342,12 @@ class GatewayApp:
     ) -> ClientRequest | None:
         """A request to a cached endpoint whose whole body the HTTP protocol (``http_protocol.py``)
         holds, for ``answer_now`` and ``serve``; None: it takes the ASGI path (``__call__``),
-        where it is refused (client keys). Its headers are within ``limits.max_header_bytes``:
-        the protocol refuses them as they arrive."""
+        where it is refused (client keys, the admin token). Its headers are within
+        ``limits.max_header_bytes``: the protocol refuses them as they arrive."""
         if self.client_keys is not None and not self.client_keys.accepts(raw_headers):
             return None
+        if self._admin_token_in(raw_headers):
+            return None  # (refused there too)
         return ClientRequest(path, body, _decoded(raw_headers), query)
 
     def answer_now(self, client: ClientRequest) -> Reply | None:
