@@ -722,3 +722,44 @@ async def test_a_2xx_body_reporting_an_error_does_not_accept_the_credential(fake
             assert (await gw.chat(f"own {i}", headers=new, **asked)).status_code == 200
             hit = await gw.chat("R", headers=new, stream=asked.get("stream", False))
             assert hit.headers["x-carpool"] == "hit" and "good" in hit.text, asked
+
+
+@pytest.mark.parametrize("api", ["messages", "chat"])
+async def test_a_joiner_of_a_call_failed_with_a_body_that_is_no_json_gets_its_apis_error_shape(api):
+    """The upstream failed the shared call with an HTML page: its leader gets it as it came,
+    and a joiner (another spelling of the same request) the gateway's words, which were in
+    OpenAI's shape on /v1/messages too (an Anthropic SDK cannot read it), ``code`` the status
+    as a number (OpenAI's is a string or null)."""
+    from fakes.raw_upstream import answer, raw_upstream
+
+    gate = asyncio.Event()
+    page = b"<html><body>503 Service Unavailable</body></html>"
+
+    async def respond(_call):
+        await gate.wait()
+        return answer(503, b"Service Unavailable", page, b"text/html")
+
+    path = "/v1/messages" if api == "messages" else "/v1/chat/completions"
+    base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Q"}]}
+    async with raw_upstream(respond) as up, run_gateway([up.url]) as gw:
+        first = asyncio.create_task(gw.client.post(path, json={**base, "temperature": 0}))
+        await eventually(lambda: up.calls, what="the leader's call")
+        # (Out of the key but not the same bytes: 0.0 for 0, another order of the keys.)
+        joined = asyncio.create_task(gw.client.post(path, json={"temperature": 0.0, **base}))
+        await eventually(
+            lambda: sum(f.clients for f in gw.gateway.flights.running()) == 2,
+            what="the joiner on the flight",
+        )
+        gate.set()
+        leader, joiner = await first, await joined
+    assert leader.status_code == joiner.status_code == 503
+    assert leader.content == page
+    error = joiner.json()
+    assert joiner.headers["content-type"] == "application/json"
+    if api == "messages":
+        assert error["type"] == "error" and isinstance(error["error"]["message"], str), error
+        assert isinstance(error["error"]["type"], str)
+    else:
+        assert error["error"]["message"] == OTHERS_MESSAGE
+        assert error["error"]["code"] is None or isinstance(error["error"]["code"], str), error
+    assert len(up.calls) == 1

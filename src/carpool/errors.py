@@ -303,6 +303,22 @@ class AdminTokenPresented(CarpoolError):
         )
 
 
+class HostNotAllowed(CarpoolError):
+    """403: a request naming the gateway, in its ``Host`` header, by a host name
+    ``allowed_hosts`` does not hold (a web page's own name, made to resolve to the gateway's
+    address: DNS rebinding); refused before its body is read, sent nowhere."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "host_not_allowed"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This gateway is not served under the host name this request names: add it to "
+            "allowed_hosts, or name the gateway by its address."
+        )
+
+
 class UpstreamError(CarpoolError):
     """The upstream call failed; every waiter of the flight receives the same error, in its
     words only if the call was for the same request (``for_others``)."""
@@ -568,6 +584,10 @@ class UpstreamStatusError(UpstreamError):
         # known: a request of the same key with another body (fields out of the key, another
         # spelling) may be answered otherwise (``pipeline._refused_its_body``).
         self.asked: str | None = None
+        # Whether the body is the gateway's words for an upstream body in no API's error shape
+        # (``for_others`` of an HTML page, say): each API then shapes it as its own errors
+        # (``apis.base.passed_through``), Anthropic's on /v1/messages.
+        self.rewritten = False
 
     def body(self) -> bytes:
         return self.content
@@ -583,12 +603,14 @@ class UpstreamStatusError(UpstreamError):
         except orjson.JSONDecodeError:
             parsed = None
         error_object = scrubbed(self.error_object())
-        # In the shape it came in: Anthropic's ``{"type": "error", "error": {...}}``, else OpenAI's.
+        # In the shape it came in: Anthropic's ``{"type": "error", "error": {...}}``, else OpenAI's;
+        # a body in neither (not JSON, no error object) in the joiner's API's (``rewritten``).
         anthropic = isinstance(parsed, dict) and parsed.get("type") == "error"
         body = {"type": "error", "error": error_object} if anthropic else {"error": error_object}
         # (When to retry is the upstream's state, not the requester's: every joiner's too.)
         error = UpstreamStatusError(self.status, orjson.dumps(body), retry=self.also)
         error.asked, error.requester = self.asked, self.requester
+        error.rewritten = not (isinstance(parsed, dict) and isinstance(parsed.get("error"), dict))
         return error
 
     def error_object(self) -> dict[str, Any]:
@@ -602,7 +624,7 @@ class UpstreamStatusError(UpstreamError):
         return {
             "message": self.content.decode("utf-8", "replace")[:2000],
             "type": self.type,
-            "code": self.status,
+            "code": None,  # (OpenAI's is a label or null: the status is the answer's)
         }
 
 

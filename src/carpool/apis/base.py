@@ -517,9 +517,9 @@ def require_model(body: dict[str, Any]) -> None:
 
 
 def passed_through(error: CarpoolError) -> bool:
-    """An error whose body is not the gateway's to shape: the upstream's own, as it came, or
-    an idempotency problem (RFC 9457 problem+json on every endpoint)."""
-    return (
-        isinstance(error, UpstreamStatusError)
-        or error.headers().get("content-type") == "application/problem+json"
-    )
+    """An error whose body is not the gateway's to shape: the upstream's own, as it came (or
+    its words taken out, in the shape it came in), or an idempotency problem (RFC 9457
+    problem+json on every endpoint)."""
+    return (isinstance(error, UpstreamStatusError) and not error.rewritten) or error.headers().get(
+        "content-type"
+    ) == "application/problem+json"
