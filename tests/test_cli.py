@@ -716,7 +716,7 @@ def test_an_idle_client_connection_is_closed_after_limits_client_keepalive(worke
     try:
         answers_on(port)
         with socket.create_connection(("127.0.0.1", port), timeout=4) as connection:
-            connection.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+            connection.sendall(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
             received = b""
             while chunk := connection.recv(65536):  # (closed once idle: no timeout)
                 received += chunk
@@ -781,3 +781,24 @@ def test_serve_raises_its_file_limit_to_the_hard_one_and_warns_when_that_is_low(
     )
     assert held == [str(hard), str(hard)], log
     assert ("the file descriptor limit is 512" in log) is warned, log
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_loopback_refuses_a_host_name_other_than_localhost(workers):
+    """DNS rebinding: a web page's own name, made to resolve to 127.0.0.1, reached the gateway
+    on loopback (open /stats, /v1 from the operator's browser). ``carpool serve`` there takes
+    ``localhost`` alone by name (every worker: the file the parent writes them says so)."""
+    port = free_port()
+    process = carpool("serve", "--port", str(port), "--workers", workers)
+    try:
+        answers_on(port)
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(4):  # (several connections: with workers, each may take one)
+            rebound = httpx.get(f"{base}/stats", headers={"host": f"rebind.example:{port}"})
+            assert rebound.status_code == 403, rebound.text
+            assert rebound.json()["error"]["code"] == "host_not_allowed"
+            named = httpx.get(f"{base}/stats", headers={"host": f"localhost:{port}"})
+            assert named.status_code == 200
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -1166,3 +1166,56 @@ async def test_readyz_with_a_single_replica_that_cuts_its_models_answer_is_200_n
             assert ready.status_code == 200 and ready.json()["ready"] is True
         assert gw.gateway.replicas.snapshot()[cutting.url]["state"] == "healthy"
     assert [r for r in caplog.records if r.levelno >= logging.ERROR and r.name != "asyncio"] == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/stats", "/v1/models"])
+async def test_a_host_name_the_gateway_was_not_given_is_refused_an_address_is_served(
+    fake, gateway_with, path
+):
+    """DNS rebinding: a web page the operator opens names the gateway by a name of its own,
+    made to resolve to 127.0.0.1, and reads /stats (open without an admin token) and calls
+    /v1 on the operator's machine. With ``allowed_hosts``, a ``Host`` naming another name is
+    a 403 sent nowhere; an address, an allowed name and no ``Host`` are served."""
+    async with gateway_with(allowed_hosts=["localhost", "Gateway.Internal."]) as gw:
+        host, port = address(gw.url)
+
+        async def asked(host_header: str | None) -> Raw:
+            reader, writer = await asyncio.open_connection(host, port)
+            head = f"{'POST' if 'chat' in path else 'GET'} {path} HTTP/1.1\r\n"
+            if host_header is not None:
+                head += f"host: {host_header}\r\n"
+            body = orjson.dumps(CHAT_BODY) if "chat" in path else b""
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            writer.write((head + "connection: close\r\n\r\n").encode() + body)
+            raw = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            return Raw(raw)
+
+        async def refused() -> None:
+            for name in ("attacker.example", f"attacker.example:{port}", "localhost.evil"):
+                answer = await asked(name)
+                assert answer.status_code == 403, (name, answer.status_code)
+                assert answer.json()["error"]["code"] == "host_not_allowed"
+
+        await refused()
+        for name in (
+            f"127.0.0.1:{port}",
+            "localhost",
+            f"LOCALHOST:{port}",
+            "gateway.internal",
+            f"[::1]:{port}",
+            "127.1",
+            None,
+        ):
+            assert (await asked(name)).status_code == 200, name
+        await refused()  # (an answer stored meanwhile: a repeat is refused as well)
+    assert fake.count() == (7 if path == "/v1/models" else 1 if "chat" in path else 0)
+
+
+def test_carpool_serve_on_loopback_allows_only_localhost_by_name_unless_told(tmp_path):
+    from carpool.cli import _allowed_hosts
+
+    assert _allowed_hosts(Config(host="127.0.0.1")) == ["localhost"]
+    assert _allowed_hosts(Config(host="::1")) == ["localhost"]
+    assert _allowed_hosts(Config(host="0.0.0.0")) is None
+    assert _allowed_hosts(Config(host="127.0.0.1", allowed_hosts=["*"])) == ["*"]

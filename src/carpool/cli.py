@@ -171,6 +171,7 @@ def serve(
             "an upstream URL) and auth.client_keys_file is not set: anyone who can reach this "
             "port spends that key"
         )
+    config = config.model_copy(update={"allowed_hosts": _allowed_hosts(config)})
     if config.admin_token is None and not _loopback(config.host):
         log.warning(
             "admin_token is not set and the gateway listens on %s, beyond loopback: /stats, "
@@ -446,6 +447,15 @@ def _say_proxy(log: logging.Logger, url: str, setting: str) -> None:
             proxy.public,
             proxy.variable,
         )
+
+
+def _allowed_hosts(config: Config) -> list[str] | None:
+    """``allowed_hosts`` as ``carpool serve`` serves it: given, as given; not given, on
+    loopback, ``localhost`` alone (a client on this machine names the gateway by an address
+    or by it; a web page's own name made to resolve here is DNS rebinding), else any."""
+    if config.allowed_hosts is None and _loopback(config.host):
+        return ["localhost"]
+    return config.allowed_hosts
 
 
 def _loopback(host: str) -> bool:

@@ -130,8 +130,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import gc
 import hashlib
+import ipaddress
 import logging
 import os
 import re
@@ -166,6 +168,7 @@ from .errors import (
     CarpoolError,
     ClientKeyRefused,
     HeadersTooLarge,
+    HostNotAllowed,
     InternalError,
     RequestError,
     ShuttingDown,
@@ -222,6 +225,17 @@ class GatewayApp:
         keys_file = gateway.config.auth.client_keys_file
         self.client_keys = ClientKeys.load(keys_file) if keys_file else None
         self.admin_token = gateway.config.admin_token or None
+        allowed = gateway.config.allowed_hosts
+        self.allowed_hosts = None if allowed is None or "*" in allowed else frozenset(allowed)
+
+    def _host_refused(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request names the gateway by a host name ``allowed_hosts`` does not hold."""
+        if self.allowed_hosts is None:
+            return False
+        for name, value in headers:
+            if name == b"host":
+                return not _host_allowed(value, self.allowed_hosts)
+        return False  # (HTTP/1.0's, or a peer's own hop)
 
     def _admin_token_in(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Whether a request presents the admin token as its credential (refused on /v1)."""
@@ -290,6 +304,12 @@ class GatewayApp:
             # the keys it owns are served meanwhile (refused, the 503 reached their clients).
             await self._refuse(send, ShuttingDown(CLOSED), _endpoint_api(scope))
             return
+        if scope.get(PEER) is not True and self._host_refused(scope["headers"]):
+            # A name that is not this gateway's: a web page's own, made to resolve here (DNS
+            # rebinding), reading /stats or calling /v1 from the operator's browser. Sent
+            # nowhere, whatever the path.
+            await self._refuse(send, HostNotAllowed(), _endpoint_api(scope))
+            return
         if (
             self.client_keys is not None
             and scope["path"].startswith("/v1/")
@@ -346,7 +366,7 @@ class GatewayApp:
         ``limits.max_header_bytes``: the protocol refuses them as they arrive."""
         if self.client_keys is not None and not self.client_keys.accepts(raw_headers):
             return None
-        if self._admin_token_in(raw_headers):
+        if self._admin_token_in(raw_headers) or self._host_refused(raw_headers):
             return None  # (refused there too)
         return ClientRequest(path, body, _decoded(raw_headers), query)
 
@@ -940,6 +960,23 @@ def simulated_replicas(gateway: Gateway) -> list[Any]:
 
 def _carpool_error(error: CarpoolError) -> Response:
     return Response(error.body(), error.status, headers=error.headers())
+
+
+@functools.lru_cache(maxsize=64)  # (a few values: the names clients call the gateway by)
+def _host_allowed(value: bytes, allowed: frozenset[str]) -> bool:
+    """Whether a ``Host`` value names the gateway by an address (always) or by a name in
+    ``allowed`` (lower case, its port and a final dot taken off)."""
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):  # (an IPv6 address)
+        return True
+    name = host.partition(":")[0].rstrip(".")
+    if not name or name.replace(".", "").isdigit():  # (no name: 127.1 is an address too)
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name in allowed
+    return True
 
 
 def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:

@@ -87,6 +87,16 @@ class Config(Section):
         "brackets) or a host name (no scheme or port). Every interface: `0.0.0.0` or `::` (or "
         "IPv4's short form `0`); an empty host, which would mean every interface too, is refused.",
     )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host names a request may name in its `Host` header; any other name gets "
+        "403 `host_not_allowed` (an IP address, or no `Host`, is always accepted; `*`: any "
+        "name). null: any name, but under `carpool serve` listening on loopback, where it is "
+        "`[localhost]`: a web page the operator opens cannot reach the gateway by a name of "
+        "its own made to resolve to 127.0.0.1 (DNS rebinding). A proxy on this machine that "
+        "passes its clients' `Host` on (nginx's `proxy_set_header Host $host`) needs its "
+        "names here.",
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -137,6 +147,17 @@ class Config(Section):
     @classmethod
     def _an_address(cls, value: str) -> str:
         return checked_host(value)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: list[str] | None) -> list[str] | None:
+        # As a ``Host`` header is compared (``server.host_named``): lower case, no final dot.
+        if value is None:
+            return None
+        names = [name.strip().lower().rstrip(".") for name in value]
+        if not all(names) or any(":" in n or "/" in n or " " in n for n in names):
+            raise ValueError("give host names (or *), without a scheme or a port")
+        return names
 
     @field_validator("admin_token")
     @classmethod
