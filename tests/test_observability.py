@@ -617,3 +617,30 @@ async def test_a_client_that_leaves_before_its_answer_is_counted_as_abandoned(gw
     await eventually(lambda: gw.gateway.stats.abandoned == 2, what="the bypass abandoned")
     stats = (await gw.client.get("/stats")).json()
     assert stats["requests"] == 2 and stats["bypass"] == 0
+
+
+@pytest.mark.parametrize("token", [None, "t"])
+async def test_the_operators_documents_and_their_refusals_say_no_store(gateway_with, token):
+    """/stats, /metrics, /admin/* (and their 401s) said nothing of caching: a shared cache that
+    keeps answers without a directive for a default time (Varnish: 120 s) served one
+    operator's /stats, stale, to every other. Only /dashboard said ``no-store``."""
+    async with gateway_with(admin_token=token) as gw:
+        admin = {"Authorization": f"Bearer {token}"} if token else {}
+        asked = [
+            await gw.client.get("/stats", headers=admin),
+            await gw.client.get("/metrics", headers=admin),
+            await gw.client.get("/dashboard", headers=admin),
+        ]
+        if token:
+            asked += [
+                await gw.client.post("/admin/invalidate", json={"all": True}, headers=admin),
+                await gw.client.get("/admin/semantic/audit", headers=admin),
+                await gw.client.get("/stats"),
+                await gw.client.get("/metrics"),
+                await gw.client.post("/admin/invalidate", json={"all": True}),
+            ]
+    for response in asked:
+        assert response.headers.get("cache-control") == "no-store", (
+            response.request.url,
+            response.status_code,
+        )

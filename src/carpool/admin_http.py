@@ -87,6 +87,11 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
         peers: bool = False,
     ) -> Callable[[HttpRequest], Awaitable[Response]]:
         async def endpoint(request: HttpRequest) -> Response:
+            response = await answered(request)
+            response.headers["cache-control"] = "no-store"  # (``server.NOT_KEPT``)
+            return response
+
+        async def answered(request: HttpRequest) -> Response:
             # (``peers``: a worker of this run, token or not: ``work`` checks what it may do.)
             trusted = peers and request.scope.get(PEER) is True
             if not trusted and (refused := refusal(request)) is not None:
@@ -199,5 +204,6 @@ def error(status: int, message: str, code: str, kind: str = "invalid_request_err
         # (``param`` too, null: OpenAI's shape, as every other error of the gateway's own)
         orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}),
         status,
+        headers={"cache-control": "no-store"},  # (``server.NOT_KEPT``)
         media_type="application/json",
     )

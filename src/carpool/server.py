@@ -797,7 +797,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             # This worker's document, and the run's figures (``peers.metrics.run_totals``).
             others = [_document(text) for text in await peers.stats()]
             doc["run"] = run_totals([doc, *(o for o in others if o is not None)])
-        return Response(orjson.dumps(doc), media_type="application/json")
+        return Response(orjson.dumps(doc), media_type="application/json", headers=NOT_KEPT)
 
     sim_replicas = simulated_replicas(gateway)
 
@@ -805,7 +805,7 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
         doc = {"simulated": True, "replicas": [replica.stats() for replica in sim_replicas]}
-        return Response(orjson.dumps(doc), media_type="application/json")
+        return Response(orjson.dumps(doc), media_type="application/json", headers=NOT_KEPT)
 
     async def metrics(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
@@ -819,7 +819,9 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             # One port for the run: the sum of the workers', or the counters went down between
             # two scrapes landing on different workers (``peers.metrics``).
             text = merge([text.decode(), *await peers.metrics()])
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            text, media_type="text/plain; version=0.0.4; charset=utf-8", headers=NOT_KEPT
+        )
 
     async def dashboard(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
@@ -979,6 +981,12 @@ def _host_allowed(value: bytes, allowed: frozenset[str]) -> bool:
     return True
 
 
+# The operator's documents (/stats, /metrics, /admin/*) and their refusals: a shared cache that
+# keeps an answer without a directive for a default time (Varnish: 120 s) would serve one
+# operator's figures, stale, to the next (with a token, RFC 9111 3.5 keeps it off already).
+NOT_KEPT = {"cache-control": "no-store"}
+
+
 def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
     """None when the request may see the admin surfaces (no token configured, or it presents
     it); else the 401, with challenges for API clients (Bearer) and for browsers (Basic)."""
@@ -990,9 +998,10 @@ def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
     refusal = _carpool_error(
         AdminRequired("this needs the admin token: Authorization: Bearer <admin token>")
     )
-    refusal.raw_headers.append(
-        (b"www-authenticate", b'Basic realm="carpool admin", charset="UTF-8"')
-    )
+    refusal.raw_headers += [
+        (b"www-authenticate", b'Basic realm="carpool admin", charset="UTF-8"'),
+        (b"cache-control", b"no-store"),
+    ]
     return refusal
 
 
