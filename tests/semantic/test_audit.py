@@ -271,3 +271,18 @@ def test_two_answers_making_the_same_tool_call_say_the_same_whatever_their_ids()
         "content": [{"type": "tool_use", "id": "t", "name": "weather", "input": {"city": "Paris"}}],
     }
     assert answer_text(responses) == answer_text(messages) == 'weather {"city":"Paris"}'
+
+
+def test_the_label_key_is_no_fast_hash_of_the_admin_token() -> None:
+    """A tenant computes its own tenant id from its credential: with the label key a fast hash
+    of the admin token, one log line holding its label let it test guesses of the token
+    offline (a weak one found in 9 guesses). The key is scrypt's, with RFC 7914's interactive
+    parameters, the same on every worker."""
+    import hashlib
+
+    from carpool.semantic.audit import LABEL_KDF
+
+    assert LABEL_KDF["n"] >= 2**14 and LABEL_KDF["r"] >= 8
+    key = label_key("hunter2")
+    assert key == hashlib.scrypt(b"hunter2", **LABEL_KDF)
+    assert key != hashlib.blake2b(b"hunter2", person=b"carpool-budget").digest()
