@@ -220,3 +220,27 @@ async def test_the_openapi_document_takes_the_nulls_the_gateway_takes(gw):
     assert "nullable" not in schemas["EmbeddingRequest"]["properties"]["input"]
     answered = await gw.client.post("/v1/completions", json={"model": "m", "prompt": None})
     assert answered.status_code == 200
+
+
+async def test_the_openapi_document_says_what_the_gateway_itself_answers(gateway_with):
+    """Against the gateway: statuses it produces itself that the document did not list (401,
+    403, 415, 501, 503 on the cached endpoints), ``x-carpool-tags`` bounded at 1,024 where 32
+    tags of 256 characters are accepted, and an invalidation of the default namespace (``""``)
+    that the document refused."""
+    from carpool.request import MAX_HEADER_TOKEN, MAX_TAGS
+
+    async with gateway_with(admin_token=ADMIN) as gw:
+        document = (await gw.client.get("/openapi.json")).json()
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        default = await gw.client.post("/admin/invalidate", json={"namespace": ""}, headers=admin)
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/embeddings"):
+        post = document["paths"][path]["post"]
+        assert {"401", "403", "415", "501", "503"} <= set(post["responses"]), path
+        (tags,) = [p for p in post["parameters"] if p["name"] == "x-carpool-tags"]
+        assert tags["schema"].get("maxLength", MAX_TAGS * MAX_HEADER_TOKEN) >= (
+            MAX_TAGS * MAX_HEADER_TOKEN
+        )
+    selectors = document["components"]["schemas"]["Invalidate"]["oneOf"]
+    (namespace,) = [s for s in selectors if "namespace" in s["properties"]]
+    assert namespace["properties"]["namespace"].get("minLength", 0) == 0
+    assert default.status_code == 200, default.text

@@ -59,7 +59,7 @@ HEADER_PARAMETERS: list[dict[str, Any]] = [
         "description": f"Comma-separated tags stored with the answer, for invalidation (at most "
         f"{MAX_TAGS} tags of at most {MAX_HEADER_TOKEN} printable characters, sent as UTF-8: "
         "the names `/admin/invalidate` takes).",
-        "schema": {"type": "string", "maxLength": 1024},
+        "schema": {"type": "string"},  # (its length is the tags': a bound on each, above)
     },
     {
         "name": "x-carpool-freshness",
@@ -130,14 +130,21 @@ def cached_endpoint(
             "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
             "header or the Idempotency-Key is malformed (problem+json)."
         ),
+        "401": "The request presents no key `auth.client_keys_file` lists (`invalid_api_key`), "
+        "or presents the admin token, which is no credential here "
+        "(`admin_token_not_a_credential`); nothing was read further or sent upstream.",
+        "403": "The `Host` header names the gateway by a name `allowed_hosts` does not hold "
+        "(`host_not_allowed`).",
         "408": "The body, or the request line and headers, did not arrive within "
         "`limits.body_read_timeout` seconds.",
         "409": "A request with the same Idempotency-Key is still being processed.",
         "413": "The body is larger than `limits.max_body_bytes`.",
         "422": "The Idempotency-Key was already used with a different request.",
         "414": "The request target is longer than `limits.max_header_bytes`.",
+        "415": "The body is sent in a content coding (`Content-Encoding`) other than identity.",
         "431": "The headers (or a chunked body's trailer fields) are larger than "
         "`limits.max_header_bytes`.",
+        "501": "The body is sent in a transfer coding other than chunked.",
         "502": (
             "The upstream is unreachable, or dropped the connection after taking the whole "
             "request, or its stream broke (for a non-streaming "
@@ -147,6 +154,12 @@ def cached_endpoint(
             "upstream's 401 or 403 to the gateway's own key (`upstream.api_key`, or a user and "
             "password in the upstream's URL), its body not relayed, with "
             "`x-should-retry: false`."
+        ),
+        "503": (
+            "The gateway could not take the call now: every connection to the replicas stayed "
+            "busy past `limits.upstream_queue_timeout`, or this machine could open none "
+            "(`gateway_overloaded`), or the gateway is shutting down (`shutting_down`), or an "
+            "Idempotency-Key's shared record could not be reached; with `Retry-After`."
         ),
         "504": (
             "The upstream did not answer within `limits.upstream_timeout` of the call, or "

@@ -380,7 +380,8 @@ SCHEMAS: dict[str, Any] = {
                 "type": "object",
                 "required": ["namespace"],
                 "additionalProperties": False,
-                "properties": {"namespace": {"type": "string", "minLength": 1}},
+                # ("": the default namespace, the requests that named none.)
+                "properties": {"namespace": {"type": "string"}},
             },
             {
                 "type": "object",
