@@ -682,7 +682,10 @@ def _turn(api: str, system: str, turns: list[str], stream: bool = False) -> tupl
     }
 
 
-@pytest.mark.parametrize("api", ["chat", "chat-stream", "completions", "messages", "responses"])
+@pytest.mark.parametrize(
+    "api",
+    ["chat", "chat-stream", "completions", "messages", "responses", "sampled", "sampled-stream"],
+)
 async def test_the_next_turn_of_a_conversation_goes_to_the_replica_that_answered_the_last(api):
     """The replica that answered a turn holds the prompt and the answer in its KV cache (vLLM,
     SGLang keep the generated tokens' blocks), and the next turn's prompt begins with both.
@@ -690,6 +693,8 @@ async def test_the_next_turn_of_a_conversation_goes_to_the_replica_that_answered
     matched under ``cache_threshold`` and went to the least-loaded replica (about 2 in 3 of
     them elsewhere, its whole context computed again). The answer is recorded too."""
     answer = "The answer, at some length. " * 30  # (~840 characters, longer than the prompt)
+    sampled = api.startswith("sampled")
+    kind = "chat" if sampled else api.removesuffix("-stream")
     async with replicas(3) as fakes:
         for fake in fakes:
             fake.answer_text = lambda n, body: f"{n}. {answer}"
@@ -697,8 +702,10 @@ async def test_the_next_turn_of_a_conversation_goes_to_the_replica_that_answered
             for c in range(6):
                 system = f"Conversation {c}: you are a careful assistant. " * 6  # ~300
                 first = f"First question of conversation {c}, about its subject?"
-                path, body = _turn(api.removesuffix("-stream"), system, [first])
-                if api == "chat-stream":
+                path, body = _turn(kind, system, [first])
+                if sampled:  # (no temperature: bypassed, the path sampled chat takes)
+                    body.pop("temperature")
+                if api.endswith("-stream"):
                     async with gw.client.stream("POST", path, json={**body, "stream": True}) as r:
                         raw = (await r.aread()).decode()
                     text = "".join(
@@ -713,10 +720,10 @@ async def test_the_next_turn_of_a_conversation_goes_to_the_replica_that_answered
                         "completions": lambda d: d["choices"][0]["text"],
                         "messages": lambda d: d["content"][0]["text"],
                         "responses": lambda d: d["output"][0]["content"][0]["text"],
-                    }[api](done)
+                    }[kind](done)
                 assert answer.strip() in text
                 then = f"And a second question of conversation {c}?"
-                path, body = _turn(api.removesuffix("-stream"), system, [first, text, then])
+                path, body = _turn(kind, system, [first, text, then])
                 assert (await gw.client.post(path, json=body)).status_code == 200
             routing = (await gw.client.get("/stats")).json()["routing"]
     served = {  # conversation -> the replicas that served its turns

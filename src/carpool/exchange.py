@@ -445,7 +445,14 @@ class Exchange:
             return Reply(
                 response.status,
                 [*SSE_HEADERS, header, *said],
-                stream=_pipe(api, response, accepted, kept, self.layers.stats if ok else None),
+                stream=_pipe(
+                    api,
+                    response,
+                    accepted,
+                    kept,
+                    self.layers.stats if ok else None,
+                    response.answered,
+                ),
                 outcome=Outcome.BYPASS,
                 with_usage=None if kept is None else partial(b"".join, kept),
             )
@@ -460,6 +467,8 @@ class Exchange:
                 return error_reply(failed, Outcome.BYPASS, api)
             if failure_of(api, parsed) is None:
                 self._accepted(request, begun)
+            if response.answered is not None:
+                response.answered(parsed)
             if request.stream:
                 # A whole answer to a client that asked for a stream (a function upstream,
                 # never asked to stream; an engine that ignored ``stream``): sent as SSE, as a
@@ -730,6 +739,7 @@ async def _pipe(
     accepted: Callable[[], None] | None = None,
     kept: list[bytes] | None = None,
     stats: Stats | None = None,
+    answered: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """A bypassed stream, relayed as it comes (framed as its API frames it); a failure part-way
     (a stream that stops without ``[DONE]`` or its last event included) ends it with an error
@@ -738,9 +748,12 @@ async def _pipe(
     not ask for), the usage chunk is left out of what the client is sent, and every frame, that
     one too, is added to ``kept``, then the stream's end if it ended whole. ``accepted`` is
     called once it ended whole, without an error event; a failure is counted in ``stats``'
-    ``upstream_errors`` (a 2xx stream's: a refusal's status was counted as it came)."""
+    ``upstream_errors`` (a 2xx stream's: a refusal's status was counted as it came).
+    ``answered`` (``UpstreamResponse.answered``, routing's): told the stream assembled, once it
+    ended whole (its chunks read as they pass: ``_Assembled``)."""
     sent = 0  # events its client was sent (an error event is numbered after them)
     seen = False  # whether the upstream sent any event
+    assembled = _Assembled(api) if answered is not None else None
     try:
         async for payloads in response.events():
             seen = seen or bool(payloads)
@@ -760,6 +773,8 @@ async def _pipe(
                         sent + len(frames),
                     )
                     return
+                if assembled is not None:
+                    assembled.add(payload)
                 framed = api.frame(payload)
                 if kept is not None:
                     kept.append(framed)
@@ -774,6 +789,8 @@ async def _pipe(
             # Ended (``[DONE]``) with no event at all: no answer, as a flight judges it; its
             # key accepted for nothing (in a shared namespace it would read the others').
             raise UpstreamStreamBroken("the upstream stream ended without an answer")
+        if assembled is not None and answered is not None and (whole := assembled.body()):
+            answered(whole)
         if accepted is not None:
             accepted()
         if kept is not None:
@@ -786,6 +803,35 @@ async def _pipe(
         yield api.error_event(error, sent)
     finally:
         await response.aclose()
+
+
+class _Assembled:
+    """A bypassed stream's chunks, read as they pass and assembled once it ended (its API's
+    ``Collector``), for routing to record the answer (``_pipe``); one it cannot read makes no
+    answer: nothing is recorded, the stream goes on as it came."""
+
+    __slots__ = ("collector",)
+
+    def __init__(self, api: Api) -> None:
+        self.collector: Collector | None = api.collector()
+
+    def add(self, payload: bytes) -> None:
+        if self.collector is None:
+            return
+        try:
+            chunk = orjson.loads(payload)
+            if isinstance(chunk, dict):
+                self.collector.add(chunk, payload)
+        except (orjson.JSONDecodeError, *MALFORMED_CHUNK):
+            self.collector = None
+
+    def body(self) -> dict[str, Any] | None:
+        if self.collector is None:
+            return None
+        try:
+            return self.collector.judge(None)[0]
+        except (UpstreamError, *MALFORMED_CHUNK):
+            return None
 
 
 def _usage_only(api: Api, payload: bytes) -> bool:
