@@ -611,6 +611,8 @@ class UpstreamStatusError(UpstreamError):
         error = UpstreamStatusError(self.status, orjson.dumps(body), retry=self.also)
         error.asked, error.requester = self.asked, self.requester
         error.rewritten = not (isinstance(parsed, dict) and isinstance(parsed.get("error"), dict))
+        if error.rewritten:
+            error.message = OTHERS_MESSAGE  # (what an API's own shape says: ``Api.error_body``)
         return error
 
     def error_object(self) -> dict[str, Any]:

@@ -201,7 +201,7 @@ class MessagesApi(TypedApi):
 def _error_object(error: CarpoolError) -> dict[str, Any]:
     """Anthropic's error object: the upstream's own when it sent one (in its stream, or as its
     answer), else the gateway's error as one."""
-    if isinstance(error, UpstreamStatusError) or (
+    if (isinstance(error, UpstreamStatusError) and not error.rewritten) or (
         isinstance(error, UpstreamStreamBroken) and error.upstream_error is not None
     ):
         upstream = error.error_object()
