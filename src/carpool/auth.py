@@ -106,14 +106,20 @@ def presents(token: str, authorization: str, basic: bool = False) -> bool:
 
 
 def presented_anywhere(token: str, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    """Whether any credential header of a request (ASGI header pairs) presents ``token``: as
-    ``Authorization`` Bearer or Basic password, or as ``api-key``/``x-api-key``."""
+    """Whether any credential header of a request (ASGI header pairs: ``Authorization``,
+    ``api-key``, ``x-api-key``) holds ``token``, however it is spelt: the whole value, any word
+    of it (a scheme before it, any white space between), or the user name or password of
+    Basic credentials. (Where it is refused, never sent upstream, a false alarm costs less.)"""
     wanted = token.encode("utf-8")
+    found = False
     for name, value in headers:
-        name = name.lower()
-        if name == b"authorization":
-            if presents(token, value.decode("latin-1"), basic=True):
-                return True
-        elif name in _CREDENTIALS and hmac.compare_digest(value.strip(), wanted):
-            return True
-    return False
+        if name.lower() not in _CREDENTIALS:
+            continue
+        words = value.split()
+        if len(words) == 2 and words[0].lower() == b"basic":
+            with contextlib.suppress(binascii.Error, ValueError):
+                user, _, password = base64.b64decode(words[1], validate=True).partition(b":")
+                words += [user, password]
+        for word in (value.strip(), *words):
+            found |= hmac.compare_digest(word, wanted)  # (every one compared: constant time)
+    return found
