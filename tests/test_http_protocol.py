@@ -1567,3 +1567,35 @@ async def test_a_refusal_of_a_messages_path_however_written_is_in_anthropics_sha
     assert (status, headers["x-carpool"]) == (431, "bypass")
     assert "code" not in error and error["type"] == "invalid_request_error", error  # Anthropic's
     assert (stats["rejected"], stats["requests"]) == (1, 1), stats
+
+
+@pytest.mark.parametrize(
+    ("version", "hosts", "status"),
+    [
+        ("1.1", [], 400),
+        ("1.1", ["localhost", "evil.example"], 400),
+        ("1.1", ["localhost, evil.example"], 400),
+        ("1.0", ["localhost", "localhost"], 400),
+        ("1.0", [], 200),
+        ("1.1", ["localhost"], 200),
+    ],
+    ids=["none", "two", "a-list", "two-in-1.0", "none-in-1.0", "one"],
+)
+async def test_a_request_naming_no_host_or_several_is_400(fake, version, hosts, status):
+    """RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host, and to any
+    request with more than one Host line or one naming several. They were served (and
+    ``allowed_hosts`` judged only the first: ``Host: localhost`` then ``Host: evil.example``
+    passed)."""
+    async with _gateway(fake) as (served, _):
+        async with _socket(served) as (reader, writer):
+            body = _body()
+            head = f"POST {CHAT} HTTP/{version}\r\n" + "".join(f"host: {h}\r\n" for h in hosts)
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            if status == 400:
+                got, headers, error = await _refusal(reader)
+                assert (got, error["code"]) == (400, "invalid_http"), error
+                assert headers["x-carpool"] == "bypass"
+            else:
+                got, _, _ = await asyncio.wait_for(_response(reader), 5)
+                assert got == status

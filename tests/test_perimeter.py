@@ -1175,7 +1175,7 @@ async def test_a_host_name_the_gateway_was_not_given_is_refused_an_address_is_se
     """DNS rebinding: a web page the operator opens names the gateway by a name of its own,
     made to resolve to 127.0.0.1, and reads /stats (open without an admin token) and calls
     /v1 on the operator's machine. With ``allowed_hosts``, a ``Host`` naming another name is
-    a 403 sent nowhere; an address, an allowed name and no ``Host`` are served."""
+    a 403 sent nowhere; an address and an allowed name are served."""
     async with gateway_with(allowed_hosts=["localhost", "Gateway.Internal."]) as gw:
         host, port = address(gw.url)
 
@@ -1192,7 +1192,12 @@ async def test_a_host_name_the_gateway_was_not_given_is_refused_an_address_is_se
             return Raw(raw)
 
         async def refused() -> None:
-            for name in ("attacker.example", f"attacker.example:{port}", "localhost.evil"):
+            for name in (
+                "attacker.example",
+                f"attacker.example:{port}",
+                "localhost.evil",
+                f"[attacker.example]:{port}",
+            ):
                 answer = await asked(name)
                 assert answer.status_code == 403, (name, answer.status_code)
                 assert answer.json()["error"]["code"] == "host_not_allowed"
@@ -1204,8 +1209,8 @@ async def test_a_host_name_the_gateway_was_not_given_is_refused_an_address_is_se
             f"LOCALHOST:{port}",
             "gateway.internal",
             f"[::1]:{port}",
+            "[fe80::1%25eth0]",
             "127.1",
-            None,
         ):
             assert (await asked(name)).status_code == 200, name
         await refused()  # (an answer stored meanwhile: a repeat is refused as well)

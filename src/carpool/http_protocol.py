@@ -272,6 +272,9 @@ class GatewayProtocol(HttpToolsProtocol):
         self.url_more: bytearray | None = None
         # Its ``Transfer-Encoding`` names a coding other than chunked (``_codes``).
         self.transfer_coded = False
+        # Its ``Host`` lines, and whether one lists several (RFC 9112 3.2: exactly one host).
+        self.hosts = 0
+        self.hosts_listed = False
         # The request was refused as it was read (``_refuse``): answered, the connection closing.
         self.refused = False
         # Its refusal, while requests before it are still being answered (``_refuse_now``).
@@ -379,6 +382,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.phase, self.target_size, self.fields_size, self.quiet = _HEAD, 0, 0, -1
         self.url_more = None
         self.transfer_coded = False
+        self.hosts, self.hosts_listed = 0, False
         if self.head_since is None:  # (a connection's first request: since the connection)
             self.head_since = self.loop.time()
             if self.head_timer is None:
@@ -417,11 +421,22 @@ class GatewayProtocol(HttpToolsProtocol):
                 self.transfer_coded = (
                     True  # (refused once the head is complete: ``on_headers_complete``)
                 )
+            elif name == b"host":
+                self.hosts += 1
+                self.hosts_listed = self.hosts_listed or b"," in value
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.url_more is not None:  # (first: a refusal below reads the whole target)
             self.url, self.url_more = bytes(self.url_more), None
+        if (
+            self.hosts != 1 or self.hosts_listed
+        ) and self.limits_app is not None:  # (uvicorn's way under another app)
+            if self.hosts > 1 or self.hosts_listed or self.parser.get_http_version() != "1.0":
+                # RFC 9112 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host,
+                # and to any with more than one (``allowed_hosts`` judges one name).
+                self._refuse(MalformedHttp("a request names its one host in one Host line"))
+                raise _Refused
         if self.parser.should_upgrade() and _has_body(self.headers):
             # httptools takes what follows the head for the new protocol: the body would be
             # lost, an empty one served (pass-through sent none upstream).

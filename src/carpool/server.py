@@ -969,8 +969,11 @@ def _host_allowed(value: bytes, allowed: frozenset[str]) -> bool:
     """Whether a ``Host`` value names the gateway by an address (always) or by a name in
     ``allowed`` (lower case, its port and a final dot taken off)."""
     host = value.decode("latin-1").strip().lower()
-    if host.startswith("["):  # (an IPv6 address)
-        return True
+    if host.startswith("["):  # (an IPv6 address, its zone if any left out)
+        literal = host[1:].partition("]")[0].partition("%")[0]
+        with contextlib.suppress(ValueError):
+            return ipaddress.ip_address(literal).version == 6
+        return False
     name = host.partition(":")[0].rstrip(".")
     if not name or name.replace(".", "").isdigit():  # (no name: 127.1 is an address too)
         return True
