@@ -74,6 +74,30 @@ from .memory import MemoryStore
 log = logging.getLogger("carpool.store")
 
 
+# The failures of calls Redis answered all the same (the module's contract): the count each
+# goes to, and what the log says of it.
+_ANSWERED: dict[type[StoreUnavailable], tuple[str, str]] = {
+    # This instance had more callers than connections for pool_timeout.
+    PoolExhausted: (
+        "pool_exhausted",
+        "every connection to redis stayed busy (%d times so far): raise "
+        "distributed.max_connections or pool_timeout",
+    ),
+    # Redis takes no more answers until something expires or is dropped.
+    RedisFull: (
+        "full",
+        "redis is full (maxmemory, noeviction): %d writes refused so far, those answers are "
+        "not shared; raise maxmemory or lower the TTLs",
+    ),
+    # A reshard is moving the call's slot (the node ran nothing).
+    SlotMoving: (
+        "slot_moving",
+        "a redis cluster slot is being migrated: %d calls refused so far (TRYAGAIN), those "
+        "ran without sharing",
+    ),
+}
+
+
 class SharedStore:
     def __init__(
         self,
@@ -92,9 +116,7 @@ class SharedStore:
         self.pool_exhausted = 0  # calls that found no free connection in time
         self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
         self.slot_moving = 0  # calls a Redis Cluster refused as their slot was migrating
-        self._last_pool_log = float("-inf")
-        self._last_full_log = float("-inf")
-        self._last_moving_log = float("-inf")
+        self._logged_at: dict[str, float] = {}  # (of each count in ``_ANSWERED``)
         self.down_since: float | None = None  # wall clock, for /stats
         self._next_try = 0.0  # monotonic
         self._last_log = float("-inf")
@@ -258,41 +280,16 @@ class SharedStore:
 
     def _failed(self, error: StoreUnavailable, *, own: bool = True) -> None:
         now = time.monotonic()
-        if isinstance(error, PoolExhausted):
-            # Redis answers; this instance had more callers than connections for pool_timeout.
-            # That call runs without Redis, but sharing is not switched off for the others.
-            self.pool_exhausted += 1
-            if now - self._last_pool_log >= self.log_interval:
-                self._last_pool_log = now
-                log.warning(
-                    "every connection to redis stayed busy (%d times so far): raise "
-                    "distributed.max_connections or pool_timeout",
-                    self.pool_exhausted,
-                )
-            return
-        if isinstance(error, RedisFull):
-            # Redis answers; it takes no more answers until something expires or is dropped.
-            self.full += 1
-            if now - self._last_full_log >= self.log_interval:
-                self._last_full_log = now
-                log.warning(
-                    "redis is full (maxmemory, noeviction): %d writes refused so far, those "
-                    "answers are not shared; raise maxmemory or lower the TTLs",
-                    self.full,
-                )
-            return
-        if isinstance(error, SlotMoving):
-            # Redis answers; a reshard is moving this call's slot (it ran nothing).
-            self.slot_moving += 1
-            if now - self._last_moving_log >= self.log_interval:
-                self._last_moving_log = now
-                log.warning(
-                    "a redis cluster slot is being migrated: %d calls refused so far, those "
-                    "ran without sharing (%s)",
-                    self.slot_moving,
-                    error.__cause__ or error,
-                )
-            return
+        for kind, (counted, said) in _ANSWERED.items():
+            if isinstance(error, kind):
+                # Redis answered: that call runs without it, but sharing is not switched off
+                # for the others (no degraded period). Counted apart, logged now and then.
+                count = getattr(self, counted) + 1
+                setattr(self, counted, count)
+                if now - self._logged_at.get(counted, float("-inf")) >= self.log_interval:
+                    self._logged_at[counted] = now
+                    log.warning(said, count)
+                return
         self.errors += 1
         if own:
             self.store_errors += 1
