@@ -275,3 +275,21 @@ async def test_a_call_every_client_left_frees_the_simulators_slot_when_it_runs_a
             assert answered.status_code == 200 and answered.headers["x-carpool"] == "miss"
     assert engine.stats()["calls"]["chat/completions"] == 2
     assert engine.completion_tokens == answered.json()["usage"]["completion_tokens"]
+
+
+async def test_a_message_under_api_version_2026_10_21_with_temperature_is_the_engines_400():
+    """As Anthropic answers it (the ``anthropic`` SDK 2.x sends that version by default): the
+    docs' way to share Messages (``temperature: 0``) must fail here as it fails there, not
+    work in front of the simulator and fail in production. Under 2023-06-01 it is shared."""
+    async with run_gateway([]) as sim:
+        body = BODIES["/v1/messages"]
+        assert "temperature" in body
+        for version, outcomes in (("2026-10-21", []), ("2023-06-01", ["miss", "hit"])):
+            headers = {"anthropic-version": version}
+            got = [await sim.client.post("/v1/messages", json=body, headers=headers) for _ in "ab"]
+            if not outcomes:
+                assert [r.status_code for r in got] == [400, 400]
+                error = got[1].json()
+                assert error["type"] == "error" and "temperature" in error["error"]["message"]
+            else:
+                assert [r.headers["x-carpool"] for r in got] == outcomes

@@ -1001,3 +1001,20 @@ async def test_a_replica_stopped_as_it_started_is_announced_by_no_line_and_no_tr
     replica = SimpleNamespace(name="sim-0")
     await _announce_when_started([replica], [stopped], [task], "127.0.0.1")
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k"])
+async def test_messages_under_api_version_2026_10_21_refuse_sampling_parameters(field):
+    """Anthropic's API version 2026-10-21 (the ``anthropic`` SDK 2.x's default) refuses
+    ``temperature``, ``top_p`` and ``top_k``, even at their defaults: the simulated engine
+    answered them, so sharing Messages by ``temperature: 0`` worked there and failed (400s)
+    against Anthropic. Under 2023-06-01, and without the header, they are taken."""
+    value = {"temperature": 0, "top_p": 1, "top_k": 1}[field]
+    body = {k: v for k, v in messages_body().items() if k != "temperature"} | {field: value}
+    new = await replica().handle("/v1/messages", body, {"anthropic-version": "2026-10-21"})
+    assert new.status == 400 and new.body is not None
+    assert new.body["type"] == "error"
+    assert new.body["error"]["type"] == "invalid_request_error"
+    assert field in new.body["error"]["message"]
+    for headers in ({"anthropic-version": "2023-06-01"}, {}):
+        assert (await replica().handle("/v1/messages", body, headers)).status == 200

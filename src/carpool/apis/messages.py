@@ -38,7 +38,9 @@ Contract (``apis.base.Api``):
   ``message_stop``. The official ``anthropic`` SDK's ``messages.create(stream=True)`` and
   ``messages.stream()`` read them.
 - Sharing: Anthropic's default temperature is 1, so an absent ``temperature`` samples:
-  ``bypass`` (``temperature: 0`` or ``top_k: 1`` shares). The tenant comes from ``x-api-key``
+  ``bypass`` (``temperature: 0`` or ``top_k: 1`` shares, where the upstream takes them:
+  Anthropic's API version 2026-10-21 refuses both, and only ``x-carpool-share: sampled``
+  shares there; docs/design.md). The tenant comes from ``x-api-key``
   like any credential; ``anthropic-version`` and ``anthropic-beta`` are forwarded and, as
   headers that may change the answer, part of the key (``fingerprint.varying_headers``). Out
   of the key: ``stream``, and a ``metadata`` of at most its ``user_id``; every other field is

@@ -191,6 +191,22 @@ def with_piece(event: dict[str, Any], piece: str) -> dict[str, Any]:
     return {**event, "delta": {**event["delta"], "text": piece}}
 
 
+# Anthropic's first API version that refuses the sampling parameters on every model, even at
+# their defaults (the ``anthropic`` SDK 2.x sends it unless told otherwise).
+SAMPLING_REFUSED_SINCE = "2026-10-21"
+
+
+def check_anthropic_version(body: Mapping[str, Any], headers: Mapping[str, str]) -> None:
+    """A Messages body's sampling parameters under the ``anthropic-version`` it is sent with:
+    from :data:`SAMPLING_REFUSED_SINCE` on, ``temperature``, ``top_p`` or ``top_k`` is a 400,
+    as Anthropic answers (an older version, or none, takes them)."""
+    if headers.get("anthropic-version", "") < SAMPLING_REFUSED_SINCE:
+        return
+    for name in ("temperature", "top_p", "top_k"):
+        if name in body:
+            raise RequestError(f"{name}: Extra inputs are not permitted", param=name)
+
+
 def validate_messages(body: Mapping[str, Any]) -> None:
     """A non-empty ``messages`` list of objects with a ``role`` (chat, Messages), else 400."""
     messages = body.get("messages")

@@ -120,7 +120,9 @@ def create_app(replica: SimReplica) -> Starlette:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
             return _to_response(error_reply(400, f"the request body is not valid JSON: {exc}"))
-        reply = await _unless_abandoned(request, replica.handle(request.url.path, body))
+        reply = await _unless_abandoned(
+            request, replica.handle(request.url.path, body, request.headers)
+        )
         if reply is None:  # (nobody reads it: nginx's "client closed request")
             return Response(status_code=499, headers=dict([SIMULATED_HEADER]))
         return _to_response(reply)

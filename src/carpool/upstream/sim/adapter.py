@@ -53,7 +53,7 @@ class SimUpstream:
         if isinstance(body, Mapping):
             # The request's flag decides, so the response is a stream exactly when asked for one.
             body = {**body, "stream": request.stream}
-        reply = await self.replica.handle(request.path, body)
+        reply = await self.replica.handle(request.path, body, request.headers)
         if reply.chunks is not None:
             events = _payloads(reply.chunks)
             return UpstreamResponse(

@@ -101,8 +101,11 @@ class SimReplica:
 
     # -- entry points
 
-    async def handle(self, path: str, body: Any) -> SimReply:
-        """Serve a POST to ``path`` (relative to /v1). Streams come back unstarted: the slot is
+    async def handle(
+        self, path: str, body: Any, headers: Mapping[str, str] | None = None
+    ) -> SimReply:
+        """Serve a POST to ``path`` (relative to /v1), with the request's ``headers`` (lower-case
+        names; Messages reads ``anthropic-version``). Streams come back unstarted: the slot is
         taken when the consumer starts iterating, and released when it stops."""
         path = strip_v1(path)
         if path not in ENDPOINTS:
@@ -113,6 +116,8 @@ class SimReplica:
                 raise RequestError("the request body must be a JSON object")
             if path == "/embeddings":
                 return await self._embeddings(body)
+            if path == sim_apis.MESSAGES:
+                sim_apis.check_anthropic_version(body, headers or {})
             if path in sim_apis.TYPED:
                 plan = await make_plan(
                     "/chat/completions",
