@@ -460,3 +460,29 @@ async def test_a_2xx_body_without_choices_reaches_a_streaming_client_as_its_stre
     assert streamed.headers["x-carpool"] == "coalesced"
     failed(streamed)
     assert fake.count(CHAT) == 2  # neither stored
+
+
+async def test_every_live_stream_tells_a_buffering_proxy_not_to_buffer_it(gw, fake):
+    """nginx buffers what it proxies by default (``proxy_buffering on``) unless the answer says
+    ``X-Accel-Buffering: no``, as the engines' SSE servers do (sse-starlette): behind it, a
+    stream through carpool came in one read at its end (its first token at the last). A
+    streamed miss, its joiner, a bypassed (sampled) stream say it."""
+    fake.chunk_gate = asyncio.Event()
+
+    async def streamed(extra: dict) -> dict[str, str]:
+        async with gw.client.stream("POST", CHAT, json=body("tell a story", **extra)) as r:
+            await r.aread()
+            return dict(r.headers)
+
+    leader = asyncio.create_task(streamed({"stream": True}))
+    await fake.wait_for_calls(1)
+    joiner = asyncio.create_task(streamed({"stream": True}))
+    await eventually(lambda: fake.chunk_gate_reached.is_set(), what="the first chunks")
+    await eventually(
+        lambda: sum(f.clients for f in gw.gateway.flights.running()) == 2, what="the joiner"
+    )
+    fake.chunk_gate.set()
+    sampled = {"stream": True, "temperature": 0.7}
+    heads = [await leader, await joiner, await streamed(sampled)]
+    assert [h["x-carpool"] for h in heads] == ["miss", "coalesced", "bypass"]
+    assert all(h.get("x-accel-buffering") == "no" for h in heads), heads

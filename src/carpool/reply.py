@@ -62,7 +62,10 @@ log = logging.getLogger("carpool.reply")
 
 JSON = (b"content-type", b"application/json")
 SSE = (b"content-type", b"text/event-stream")
-SSE_HEADERS = [SSE, (b"cache-control", b"no-cache")]
+# A live stream's head. ``X-Accel-Buffering: no``, as the engines' SSE servers say it
+# (sse-starlette): nginx buffers what it proxies by default, and a stream through carpool came
+# in one read at its end behind it (its first token at the last).
+SSE_HEADERS = [SSE, (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 # On an answer the upstream said no shared cache may store (``Answer.no_store``).
 NO_STORE = (b"cache-control", b"no-store")
 # On an answer whose body has no usage because the engine reported none (README, Streaming).
