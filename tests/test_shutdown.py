@@ -454,3 +454,30 @@ async def test_a_third_stopping_signal_quits_at_once_cutting_the_requests_as_the
         assert "Application shutdown complete" in log, log
         assert "Traceback" not in log and " ERROR " not in log, log
         assert log.count("shutting down: a request still waiting was cut") == 1, log
+
+
+async def test_every_answer_sent_while_draining_says_connection_close(fake):
+    """Behind a proxy that keeps its connections to the gateway (nginx's keepalive pool), the
+    drain's answers said nothing of closing: the proxy sent its next request on a connection
+    the gateway closed as the drain ended, and its client got a 502. While draining, every
+    answer (a hit held by the HTTP protocol, a miss, a control page) says ``Connection: close``
+    and its connection closes after it."""
+    settings = {"shutdown": {"drain_s": 30, "grace_s": 5}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        assert (await gw.client.post("/v1/chat/completions", json=BODY)).status_code == 200
+        before = await gw.client.post("/v1/chat/completions", json=BODY)
+        assert before.headers.get("connection") != "close"
+        gw.proc.send_signal(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (ready := await gw.client.get("/readyz")).status_code != 503:
+            assert loop.time() < deadline, "never draining"
+            await asyncio.sleep(0.02)
+        assert ready.headers.get("connection") == "close"
+        miss = {**BODY, "messages": [{"role": "user", "content": "another"}]}
+        for body in (BODY, miss):  # (a hit, then a miss)
+            answered = await gw.client.post("/v1/chat/completions", json=body)
+            assert answered.status_code == 200
+            assert answered.headers.get("connection") == "close", answered.headers
+        gw.proc.send_signal(signal.SIGTERM)  # (a second one ends the drain)
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0

@@ -47,6 +47,8 @@ Contract:
   reply cut once begun, whose connection is closed without a word. ``shutdown`` (uvicorn
   stopping) marks the gateway draining, in each worker too, so that ``serve`` knows its cancel
   (``Gateway.begin_draining``: the requests waiting in an embeddings batch are sent then).
+  While the gateway drains (SIGTERM, ``Gateway.draining``), every answer says ``Connection:
+  close`` and its connection closes after it (``_draining``), none held.
 - A client that reads nothing of what it is sent for ``limits.send_timeout`` seconds, while
   the transport holds more than its high-water mark for it (writing paused), has its
   connection aborted (``_send_deadline``; looked at every quarter of that, so within 1.25 times
@@ -613,7 +615,17 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         self.answering = cycle  # (the first of a connection, or one pipelined, now answered)
+        if self._draining():
+            cycle.keep_alive = False  # (uvicorn says ``Connection: close``, then closes)
         super()._start_asgi_task(cycle, app)
+
+    def _draining(self) -> bool:
+        """Whether the gateway is draining (SIGTERM, ``draining.py``): every answer then says
+        ``Connection: close`` and its connection closes after it, so that a proxy keeping
+        connections to the gateway sends nothing more on one the drain's end would close
+        under its next request (its client got a 502). Not held meanwhile (``_held_target``)."""
+        app = self.limits_app
+        return app is not None and app.gateway.draining
 
     def _held_target(self) -> tuple[str, bytes] | None:
         """The path and query of a request that may be held (module contract), else None."""
@@ -628,6 +640,7 @@ class GatewayProtocol(HttpToolsProtocol):
             or (self.cycle is not None and not self.cycle.response_complete)
             or self.pipeline
             or self.transport.is_closing()
+            or self._draining()
             # The client does not read what it was sent: the ASGI path waits for it to (and
             # pauses the requests behind), where answering here would only pile answers up.
             or self.flow.write_paused

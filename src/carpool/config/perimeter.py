@@ -328,7 +328,8 @@ class ShutdownConfig(Section):
         5.0,
         ge=0,
         description="Seconds between SIGTERM and closing the listening socket: /readyz answers "
-        "503 meanwhile, so that load balancers stop sending, while requests are still served. "
+        "503 meanwhile, so that load balancers stop sending, while requests are still served, each "
+        "answer saying `Connection: close` (a proxy keeps no connection the end would close). "
         "(One worker. With `workers` > 1 the workers stop at once, while uvicorn's parent "
         "keeps the socket open until the run exits: a connection made meanwhile waits, then is "
         "reset; take the instance out of the load balancer before SIGTERM.)",
