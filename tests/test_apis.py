@@ -1670,6 +1670,39 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
     assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [{"type": "browser_search"}]},  # (Groq's: the engine browses)
+        {"tools": [{"type": "code_interpreter"}]},  # (Groq's: the engine runs code)
+        {"tools": [{"type": "web_search"}]},
+        {"model": "gpt-4o-search-preview"},  # (OpenAI's: searches without being asked)
+        {"model": "gpt-5-search-api"},
+        {"model": "sonar-pro"},  # (Perplexity's: every one searches)
+        {"data_sources": [{"type": "azure_search", "parameters": {}}]},  # (Azure On Your Data)
+        {"search_parameters": {"mode": "on"}},  # (xAI Live Search)
+        {"plugins": [{"id": "web"}]},  # (OpenRouter's)
+    ],
+)
+async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_shared(
+    gw, fake, extra
+):
+    """Only ``web_search_options`` was taken for a live search: a chat with a tool the engine
+    runs itself (Groq's ``browser_search``, ``code_interpreter``), a search model, or a
+    provider's retrieval field was cached at temperature 0 and served an hour later (and
+    coalesced), though its own call would have read the web, the index or the code's run as
+    they are now. A function tool still shares."""
+    body = {**body_of("messages"), **extra}
+    first = await gw.client.post(CHAT, json=body)
+    again = await gw.client.post(CHAT, json=body)
+    assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
+    assert fake.count() == 2
+    function = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    tooled = {**body_of("messages"), "tools": [function]}
+    assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "miss"
+    assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "hit"
+
+
 async def test_chat_web_search_options_is_never_shared(gw, fake):
     # Chat's web search answers from a live search, as the Responses and Messages search
     # tools do: two identical requests are not the same request.

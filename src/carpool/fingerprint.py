@@ -30,7 +30,7 @@ the key and how it is spelled: :mod:`carpool.canonical`):
   1, or a ``seed`` (``Api.deterministic``). An absent temperature is the upstream's default, which
   samples (Anthropic's default is 1). A request whose API says it never shares
   (``Api.never_shared``: Responses' ``background`` and ``conversation``, the tools an upstream
-  runs itself, chat's ``web_search_options``) bypasses whatever the
+  runs itself, chat's live searches: ``apis.openai.ChatApi.never_shared``) bypasses whatever the
   controls say. Sampled requests
   get no key (``bypass``) unless the config says ``sampling: same-params`` or the request sends
   ``x-carpool-share: sampled``; then they share only with identical parameters, which the key

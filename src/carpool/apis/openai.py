@@ -161,9 +161,22 @@ class ChatApi(_Classic):
         check_messages(body)
 
     def never_shared(self, body: dict[str, Any]) -> str | None:
-        # A search the upstream runs itself reads a web that changes: two identical requests
-        # are not the same request (as Responses' and Messages' web search tools).
-        if body.get("web_search_options") is not None:
+        # A search or a code run the upstream makes itself reads a web, an index or a machine
+        # that changes: two identical requests are not the same request (as Responses' and
+        # Messages' server tools). Said by a field (OpenAI's ``web_search_options``, Azure's
+        # ``data_sources``, xAI's ``search_parameters``, OpenRouter's ``plugins``), a tool of a
+        # type of the engine's own (Groq's ``browser_search``, ``code_interpreter``: not a
+        # ``function`` the client runs), or the model (OpenAI's search models, Perplexity's).
+        if any(body.get(field) is not None for field in _LIVE_FIELDS):
+            return "server_tools"
+        tools = body.get("tools")
+        if isinstance(tools, list) and any(
+            isinstance(tool, dict) and tool.get("type") not in (None, "function", "custom")
+            for tool in tools
+        ):
+            return "server_tools"
+        model = body.get("model")
+        if isinstance(model, str) and _SEARCH_MODEL.search(model):
             return "server_tools"
         return None
 
@@ -349,3 +362,10 @@ def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
     choices = answer.get("choices")
     first = choices[0] if isinstance(choices, list) and choices else None
     return first if isinstance(first, dict) else {}
+
+
+# Chat fields with which the upstream answers from what it reads at call time (``never_shared``).
+_LIVE_FIELDS = ("web_search_options", "data_sources", "search_parameters", "plugins")
+# Models that search the web on every call: OpenAI's ``gpt-4o-search-preview``,
+# ``gpt-5-search-api``; Perplexity's ``sonar`` family (a provider's prefix before them too).
+_SEARCH_MODEL = re.compile(r"(?:^|[-/_.:])(?:search-preview|search-api|sonar)(?:$|[-/_.:])", re.I)
