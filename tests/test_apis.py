@@ -1975,3 +1975,47 @@ async def test_the_gateways_refusals_on_messages_are_anthropic_shaped_with_a_sla
         assert answer.status_code == status and answer.headers["x-carpool"] == "bypass"
         assert answer.json()["type"] == "error"
         assert kind is None or answer.json()["error"]["type"] == kind
+
+
+async def test_an_audio_answer_is_not_served_past_the_time_its_audio_expires_upstream():
+    """A chat's audio answer names audio the upstream keeps until ``expires_at`` (for the next
+    turn, ``{"role": "assistant", "audio": {"id": ...}}``); stored for its type's TTL (an hour),
+    a hit handed out an id already gone, whose next turn the upstream refused though the
+    client's own call would have worked. It is kept no longer than its audio."""
+    import json
+
+    from carpool.clock import ManualClock
+    from conftest import run_gateway
+    from fakes.raw_upstream import answer, raw_upstream
+
+    clock = ManualClock()
+    audio = {"id": "audio_1", "data": "UklGRg==", "transcript": "hi", "expires_at": 0}
+
+    def respond(_call):
+        audio["expires_at"] = int(clock.now()) + 10
+        message = {"role": "assistant", "content": None, "audio": audio}
+        body = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": int(clock.now()),
+            "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }
+        return answer(200, b"OK", json.dumps(body).encode())
+
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "wav"},
+        "messages": [{"role": "user", "content": "say hi"}],
+    }
+    async with raw_upstream(respond) as up, run_gateway([up.url], clock=clock) as gw:
+        outcomes = [(await gw.client.post(CHAT, json=body)).headers["x-carpool"]]
+        clock.advance(5)  # (its audio still kept upstream)
+        outcomes.append((await gw.client.post(CHAT, json=body)).headers["x-carpool"])
+        clock.advance(6)  # (past it: the id names nothing now)
+        outcomes.append((await gw.client.post(CHAT, json=body)).headers["x-carpool"])
+    assert outcomes == ["miss", "hit", "miss"]
+    assert len(up.calls) == 2

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .answer import Answer
+from .apis import Api
 from .apis.openai import answer_repeats_prompt
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
@@ -331,6 +332,8 @@ class Leader:
             # (The embedding stays right: it is of the text, whatever the scope.)
             view = semantic_view(request, key, self.config) if view is not None else None
         expires, prefix = answer.created + ttl, prompt_prefix(request, self.config)
+        if (gone := _gone_upstream_at(request.api, answer)) is not None:
+            expires = min(expires, gone)  # (no hit names what the upstream no longer keeps)
         if expires <= self.clock.now():
             return ""  # back-dated past its TTL by its ``age``: expired already, in no layer
         assert key.key is not None  # (checked above; a shared key is one too)
@@ -484,3 +487,15 @@ def prompt_prefix(request: Request, config: Config) -> str:
     if collapses(request, config):  # (cut first: the start is all it keeps)
         text = normalize_text(text[: 16 * PROMPT_PREFIX_CHARS], True)
     return prompt_text(text)
+
+
+def _gone_upstream_at(api: Api, answer: Answer) -> float | None:
+    """When what ``answer`` names upstream goes (``Api.expires_at``), read only from a body
+    that says ``expires_at`` at all (most never do: no parse for them)."""
+    if answer.body.find(b'"expires_at"') == -1:
+        return None
+    try:
+        parsed = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        return None
+    return api.expires_at(parsed) if isinstance(parsed, dict) else None

@@ -124,6 +124,12 @@ class Api:
         (the prefix cache) and for invalidation by prompt prefix."""
         return []
 
+    def expires_at(self, answer: dict[str, Any]) -> float | None:
+        """When what a 2xx ``answer`` names upstream stops being there (a chat's audio:
+        ``message.audio.expires_at``, seconds since the epoch), or None: the answer is kept no
+        longer (``lead``), or a hit would hand out an id the upstream no longer knows."""
+        return None
+
     # Whether the next request's prompt goes on with an answer's text (a completion's), rather
     # than holding it as a turn of its own, joined to the others as ``input_texts`` are.
     prompt_goes_on: bool = False
