@@ -60,6 +60,8 @@ def test_excluded_fields_do_not_change_the_key():
     assert key(chat(metadata={"trace": "1"}, request_id="abc")) == base
     # OpenAI's successors of ``user``: an SDK user following its advice shared nothing.
     assert key(chat(safety_identifier="end-user-1", prompt_cache_key="a")) == base
+    # How long the prompt cache keeps the prompt: billing and latency, never the answer.
+    assert key(chat(prompt_cache_retention="24h")) == base
     responses = {"model": "m", "input": "x", "temperature": 0, "store": False}
     assert key({**responses, "safety_identifier": "u1"}, path="/v1/responses") != key(
         responses, path="/v1/responses"

@@ -90,8 +90,8 @@ from .request import CONTROL_HEADERS, Request
 from .upstream.base import NOT_FORWARDED, connection_listed
 
 # (``safety_identifier`` and ``prompt_cache_key`` are OpenAI's successors of ``user`` for abuse
-# tracking and its prompt cache's routing: neither changes the answer, and a chat or completion
-# does not echo them.)
+# tracking and its prompt cache's routing, ``prompt_cache_retention`` how long that cache keeps
+# the prompt: none changes the answer, and a chat or completion does not echo them.)
 EXCLUDED_FIELDS = frozenset(
     {
         "user",
@@ -101,6 +101,7 @@ EXCLUDED_FIELDS = frozenset(
         "request_id",
         "safety_identifier",
         "prompt_cache_key",
+        "prompt_cache_retention",
     }
 )
 # ``metadata`` is in the key of a request that asks the upstream to store its answer
