@@ -1682,6 +1682,9 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
         {"data_sources": [{"type": "azure_search", "parameters": {}}]},  # (Azure On Your Data)
         {"search_parameters": {"mode": "on"}},  # (xAI Live Search)
         {"plugins": [{"id": "web"}]},  # (OpenRouter's)
+        {"model": "openai/gpt-4o:online"},  # (OpenRouter's: its web plugin, by the slug)
+        {"model": "groq/compound"},  # (Groq's Compound: searches and runs code itself)
+        {"model": "compound-beta-mini"},
     ],
 )
 async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_shared(
@@ -1698,7 +1701,8 @@ async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_s
     assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
     assert fake.count() == 2
     function = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    tooled = {**body_of("messages"), "tools": [function]}
+    # (A plugin that reads nothing live, OpenRouter's response healing, shares.)
+    tooled = {**body_of("messages"), "tools": [function], "plugins": [{"id": "response-healing"}]}
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "miss"
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "hit"
 
@@ -2019,3 +2023,53 @@ async def test_an_audio_answer_is_not_served_past_the_time_its_audio_expires_ups
         outcomes.append((await gw.client.post(CHAT, json=body)).headers["x-carpool"])
     assert outcomes == ["miss", "hit", "miss"]
     assert len(up.calls) == 2
+
+
+async def test_responses_encrypted_reasoning_is_tenant_bound_in_a_shared_namespace(
+    fake, gateway_with
+):
+    """A stateless Responses turn (``store: false``) asking ``include:
+    ["reasoning.encrypted_content"]`` gets reasoning the upstream encrypts for its organization
+    alone; the next turn sends it back, and OpenAI refuses another organization's
+    (``invalid_encrypted_content``). In a shared namespace it was served to the other tenants,
+    whose next turn then failed, and a turn carrying one tenant's encrypted item was answered
+    for another (the upstream would have refused it that). Both are their tenant's now."""
+    fake.responses_output = [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "enc:org-a"},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "fine", "annotations": []}],
+        },
+    ]
+    base = {**body_of("responses"), "store": False}
+    asked = {**base, "include": ["reasoning.encrypted_content"]}
+    carried = {
+        **base,
+        "input": [
+            {"role": "user", "content": QUESTION},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "enc:org-a"},
+            {"role": "user", "content": "And then?"},
+        ],
+    }
+    compacted = {**base, "context_management": [{"type": "compaction", "compact_threshold": 1}]}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            await gw.client.post("/v1/responses", json=base, headers=bearer_of(key))
+        for body in (asked, carried, compacted):
+            first = await gw.client.post(
+                "/v1/responses", json=body, headers={**bearer_of("a"), **shared}
+            )
+            assert first.status_code == 200, first.text
+            calls = fake.count()
+            other = await gw.client.post(
+                "/v1/responses", json=body, headers={**bearer_of("b"), **shared}
+            )
+            assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1, body
+            again = await gw.client.post(
+                "/v1/responses", json=body, headers={**bearer_of("a"), **shared}
+            )
+            assert again.headers["x-carpool"] == "hit"  # (still cached for its own tenant)

@@ -165,10 +165,16 @@ class ChatApi(_Classic):
         # A search or a code run the upstream makes itself reads a web, an index or a machine
         # that changes: two identical requests are not the same request (as Responses' and
         # Messages' server tools). Said by a field (OpenAI's ``web_search_options``, Azure's
-        # ``data_sources``, xAI's ``search_parameters``, OpenRouter's ``plugins``), a tool of a
+        # ``data_sources``, xAI's ``search_parameters``, OpenRouter's web plugin), a tool of a
         # type of the engine's own (Groq's ``browser_search``, ``code_interpreter``: not a
-        # ``function`` the client runs), or the model (OpenAI's search models, Perplexity's).
+        # ``function`` the client runs), or the model (OpenAI's search models, Perplexity's,
+        # Groq's Compound, an OpenRouter slug ending ``:online``).
         if any(body.get(field) is not None for field in _LIVE_FIELDS):
+            return "server_tools"
+        plugins = body.get("plugins")  # (OpenRouter's: its web search, not every plugin)
+        if isinstance(plugins, list) and any(
+            not isinstance(plugin, dict) or plugin.get("id") == "web" for plugin in plugins
+        ):
             return "server_tools"
         tools = body.get("tools")
         if isinstance(tools, list) and any(
@@ -379,7 +385,14 @@ def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 # Chat fields with which the upstream answers from what it reads at call time (``never_shared``).
-_LIVE_FIELDS = ("web_search_options", "data_sources", "search_parameters", "plugins")
-# Models that search the web on every call: OpenAI's ``gpt-4o-search-preview``,
-# ``gpt-5-search-api``; Perplexity's ``sonar`` family (a provider's prefix before them too).
-_SEARCH_MODEL = re.compile(r"(?:^|[-/_.:])(?:search-preview|search-api|sonar)(?:$|[-/_.:])", re.I)
+_LIVE_FIELDS = ("web_search_options", "data_sources", "search_parameters")
+# Models that search the web (or run code) on every call: OpenAI's ``gpt-4o-search-preview``,
+# ``gpt-5-search-api``; Perplexity's ``sonar`` family; Groq's ``compound`` ones
+# (``groq/compound-mini``, ``compound-beta``); any OpenRouter slug ending ``:online`` (its web
+# plugin). A provider's prefix before them too.
+_SEARCH_MODEL = re.compile(
+    r"(?:^|[-/_.:])(?:search-preview|search-api|sonar)(?:$|[-/_.:])"
+    r"|(?:^|/)compound(?:-beta)?(?:-mini)?$"
+    r"|:online$",
+    re.I,
+)
