@@ -10,12 +10,14 @@ import signal
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis.asyncio as aredis
 
 from fakes.instances import instances
 from fakes.raw_upstream import RawCall, raw_upstream
 from fakes.raw_upstream import answer as raw_answer
+from fakes.waiting import eventually
 
 BODY = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "a slow one"}]}
 
@@ -480,4 +482,38 @@ async def test_every_answer_sent_while_draining_says_connection_close(fake):
             assert answered.status_code == 200
             assert answered.headers.get("connection") == "close", answered.headers
         gw.proc.send_signal(signal.SIGTERM)  # (a second one ends the drain)
+        assert await asyncio.to_thread(gw.proc.wait, 20) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_request_in_progress_as_the_drain_begins_is_its_connections_last(fake, stream):
+    """Only requests begun during the drain were told: one in progress as SIGTERM came (a long
+    generation, a stream: the likeliest) was answered without ``Connection: close`` and its
+    connection kept, which a proxy then reused as the drain ended. Its answer says it (one
+    begun after: a stream's head went out before) and the connection ends with it."""
+    settings = {"shutdown": {"drain_s": 30, "grace_s": 5}, "log_level": "info"}
+    async with instances(1, fake.url, None, settings) as (gw,):
+        fake.gate = asyncio.Event()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        body = orjson.dumps({**BODY, "stream": stream})
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        await eventually(lambda: fake.count("/v1/chat/completions") == 1, what="the call")
+        gw.proc.send_signal(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await gw.client.get("/readyz")).status_code != 503:
+            assert loop.time() < deadline, "never draining"
+            await asyncio.sleep(0.02)
+        fake.gate.set()
+        answered = await asyncio.wait_for(reader.read(), 20)  # (to the connection's end)
+        writer.close()
+        head = answered.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 200"), answered[:300]
+        if not stream:
+            assert b"\r\nconnection: close" in head, head
+        gw.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(gw.proc.wait, 20) == 0

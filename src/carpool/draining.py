@@ -120,13 +120,27 @@ class DrainingServer(uvicorn.Server):
             "or restart carpool serve to read its config again"
         )
 
+    def _last_on_their_connections(self) -> None:
+        """Each request in progress as the drain begins is its connection's last: its answer
+        says ``Connection: close`` if it begins after this (uvicorn's and the held path's heads
+        read ``keep_alive`` then), and the connection closes once it ends (a stream's too, its
+        head gone before). A proxy keeping its connections then sends nothing more on one the
+        drain's end would close under it; requests begun later are told by the protocol
+        (``http_protocol._draining``)."""
+        for connection in list(self.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._signals += 1
         self.gateway.draining = True  # (/readyz: 503 from now)
         # The rest of the drain's start (the batches sent) touches the event loop, which this
         # handler may have interrupted: on the loop, as soon as it can.
         with contextlib.suppress(RuntimeError):  # (no loop running yet: nothing batched)
-            asyncio.get_running_loop().call_soon_threadsafe(self.gateway.begin_draining)
+            loop = asyncio.get_running_loop()
+            loop.call_soon_threadsafe(self.gateway.begin_draining)
+            loop.call_soon_threadsafe(self._last_on_their_connections)
         name = signal.Signals(sig).name
         if self._signals == 1 and sig == signal.SIGTERM and self.drain_s > 0:
             self._drained_at = time.monotonic() + self.drain_s
