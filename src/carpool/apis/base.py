@@ -363,8 +363,9 @@ _DEEPEST_PART = 16
 
 def names_tenant_state(body: Any) -> bool:
     """Whether ``body`` names an object the upstream keeps for one account (a
-    ``previous_response_id``, an ``item_reference``, a ``file_id``), or asks it to keep the
-    answer (``store: true``). Read only for a shared namespace's requests."""
+    ``previous_response_id``, an ``item_reference``, a ``file_id``, an item's
+    ``encrypted_content``, which only that account's organization can send back), or asks it to
+    keep the answer (``store: true``). Read only for a shared namespace's requests."""
     if not isinstance(body, dict):
         return False
     if body.get("store") is True or body.get("previous_response_id") is not None:
@@ -381,7 +382,12 @@ def _names_state(part: Any, depth: int) -> bool:
     if isinstance(part, list):
         inner = [value for value in part if isinstance(value, (dict, list))]
     elif isinstance(part, dict):
-        if part.get("type") == "item_reference" or part.get("file_id") is not None:
+        if (
+            part.get("type") == "item_reference"
+            or part.get("file_id") is not None
+            # (Reasoning or a compaction encrypted for one organization: OpenAI's Responses.)
+            or part.get("encrypted_content") is not None
+        ):
             return True
         inner = [
             value

@@ -136,9 +136,16 @@ class ResponsesApi(TypedApi):
         # Stored (the default), the answer's id names a response kept under the tenant that
         # made it: another tenant could neither continue from it nor fetch it. A stored prompt
         # (``prompt.id``) is the account's too.
+        # Stateless, its reasoning (or a compaction, ``context_management``) may come back
+        # encrypted for the organization that made it, which alone the upstream decrypts when
+        # the next turn sends it (OpenAI: ``invalid_encrypted_content`` for another's); an
+        # input item carrying one (``names_tenant_state``) is that organization's to send.
+        include = body.get("include")
         return (
             body.get("store") is not False
             or isinstance(body.get("prompt"), dict)
+            or (isinstance(include, list) and "reasoning.encrypted_content" in include)
+            or body.get("context_management") is not None
             or names_tenant_state(body)
         )
 
