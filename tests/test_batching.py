@@ -1106,3 +1106,33 @@ async def test_a_flush_sends_the_batches_waiting_and_later_ones_wait_no_longer()
     later = [asyncio.create_task(batcher.submit(None, i, i)) for i in (3, 4)]
     assert await asyncio.wait_for(asyncio.gather(*later), 30) == [30, 40]  # (not 600 s)
     assert calls[1:] == [[3, 4]]  # (still batched, within a turn of the event loop)
+
+
+async def test_a_merged_answer_with_a_non_finite_number_for_one_item_sends_each_item_alone() -> (
+    None
+):
+    """An engine that writes NaN or Infinity for one input's vector (a Python ``json.dumps``
+    server does) made the merged answer unreadable, a 502 for every caller merged with it,
+    though each of the others alone is answered fine: merging changed their answers. Such a
+    body is JSON of a kind: each item goes alone, each caller gets the engine's own answer."""
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        items = given if isinstance(given, list) else [given]
+        rows = ",".join(
+            f'{{"object":"embedding","index":{i},"embedding":[{"NaN" if item == "poison" else 0.5}]}}'
+            for i, item in enumerate(items)
+        )
+        return UpstreamResponse(200, {}, b'{"object":"list","data":[%s]}' % rows.encode())
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    results = await asyncio.gather(
+        *(batcher.embed(req(text)) for text in ("alice", "poison", "bob")), return_exceptions=True
+    )
+    # (Each caller gets the engine's own answer to its item alone: the poisoned one its NaN,
+    # which the gateway then refuses for it alone, as for any request sent alone.)
+    assert [getattr(r, "status", None) for r in results] == [200, 200, 200], results
+    assert [b"NaN" in r.body for r in results] == [False, True, False]
+    assert batcher.stats()["alone"] == 3 and calls[0] == ["alice", "poison", "bob"]

@@ -95,6 +95,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import math
 from collections.abc import (
     AsyncIterator,
@@ -417,10 +418,14 @@ class EmbeddingBatcher:
         """Each item's own answer from a merged call's 2xx answer; None (each item then goes
         alone) when it reports an error (a non-null top-level ``error``), whatever else it
         holds, or is not one embedding per item indexed 0..n-1; an ``UpstreamError`` when it
-        is not JSON at all."""
+        is not JSON at all. (JSON but for a number JSON has not, ``NaN``, ``Infinity``,
+        ``1e999``, which a Python ``json.dumps`` engine writes for one item's vector, is that
+        item's fault: each goes alone, and only its caller gets its 502.)"""
         try:
             parsed = exact_json.loads(response.body)
         except orjson.JSONDecodeError as exc:
+            if _json_but_for_its_numbers(response.body):
+                return None
             raise UpstreamError(
                 f"the upstream's embeddings answer for {len(items)} inputs is not JSON"
             ) from exc
@@ -477,3 +482,12 @@ def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
     }
     headers["content-type"] = "application/json"
     return headers
+
+
+def _json_but_for_its_numbers(body: bytes) -> bool:
+    """Whether ``body`` is a JSON object as Python's reader takes it: NaN, Infinity and
+    numbers past a double are all it has that JSON has not (``EmbeddingBatcher._split``)."""
+    try:
+        return isinstance(json.loads(body), dict)
+    except (ValueError, RecursionError):
+        return False
