@@ -1685,6 +1685,10 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
         {"model": "openai/gpt-4o:online"},  # (OpenRouter's: its web plugin, by the slug)
         {"model": "groq/compound"},  # (Groq's Compound: searches and runs code itself)
         {"model": "compound-beta-mini"},
+        {"tools": [{"googleSearch": {}}]},  # (LiteLLM's Gemini grounding: a tool with no type)
+        {"tools": [{"codeExecution": {}}]},
+        {"enable_search": True},  # (Alibaba DashScope's)
+        {"web_search": {"enable": True}},  # (Baidu Qianfan's)
     ],
 )
 async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_shared(
@@ -1701,8 +1705,15 @@ async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_s
     assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
     assert fake.count() == 2
     function = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    # (A plugin that reads nothing live, OpenRouter's response healing, shares.)
-    tooled = {**body_of("messages"), "tools": [function], "plugins": [{"id": "response-healing"}]}
+    # (A plugin that reads nothing live, OpenRouter's response healing, shares; so does a
+    # search turned off.)
+    tooled = {
+        **body_of("messages"),
+        "tools": [function],
+        "plugins": [{"id": "response-healing"}],
+        "search_parameters": {"mode": "off"},
+        "enable_search": False,
+    }
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "miss"
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "hit"
 
@@ -2073,3 +2084,27 @@ async def test_responses_encrypted_reasoning_is_tenant_bound_in_a_shared_namespa
                 "/v1/responses", json=body, headers={**bearer_of("a"), **shared}
             )
             assert again.headers["x-carpool"] == "hit"  # (still cached for its own tenant)
+
+
+async def test_a_messages_turn_asking_for_compaction_is_tenant_bound_in_a_shared_namespace(
+    fake, gateway_with
+):
+    """Anthropic's compaction (``context_management``) answers with a ``compaction`` block whose
+    ``encrypted_content`` the next turn sends back; a turn carrying one was its tenant's, but the
+    turn that made it was shared across a shared namespace's tenants, whose next turn would then
+    carry another organization's. When unsure whether the upstream binds it to the maker, it is
+    not shared: that turn is its tenant's too."""
+    body = {**body_of("messages"), "context_management": {"edits": [{"type": "compact_20260112"}]}}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
+        first = await gw.client.post(
+            "/v1/messages", json=body, headers={**bearer_of("a"), **shared}
+        )
+        assert first.status_code == 200, first.text
+        calls = fake.count()
+        other = await gw.client.post(
+            "/v1/messages", json=body, headers={**bearer_of("b"), **shared}
+        )
+        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1

@@ -69,6 +69,7 @@ from .base import (
     check_messages,
     ends_with,
     last_user_turn,
+    names_tenant_state,
     passed_through,
     text_parts,
     typed_frame,
@@ -161,6 +162,12 @@ class MessagesApi(TypedApi):
 
     def answer_texts(self, answer: dict[str, Any]) -> list[str]:
         return text_parts(answer.get("content"))
+
+    def tenant_bound(self, body: dict[str, Any]) -> bool:
+        # Compaction (``context_management``) answers with a block whose ``encrypted_content``
+        # the next turn sends back (a turn carrying one is bound: ``names_tenant_state``):
+        # whether Anthropic takes it from another organization is not said, so not shared.
+        return body.get("context_management") is not None or names_tenant_state(body)
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         return last_user_turn(body)

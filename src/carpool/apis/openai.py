@@ -165,11 +165,12 @@ class ChatApi(_Classic):
         # A search or a code run the upstream makes itself reads a web, an index or a machine
         # that changes: two identical requests are not the same request (as Responses' and
         # Messages' server tools). Said by a field (OpenAI's ``web_search_options``, Azure's
-        # ``data_sources``, xAI's ``search_parameters``, OpenRouter's web plugin), a tool of a
-        # type of the engine's own (Groq's ``browser_search``, ``code_interpreter``: not a
-        # ``function`` the client runs), or the model (OpenAI's search models, Perplexity's,
+        # ``data_sources``, xAI's ``search_parameters``, Alibaba's ``enable_search``, Baidu's
+        # ``web_search``, OpenRouter's web plugin: each unless turned off), a tool of a type of
+        # the engine's own (Groq's ``browser_search``, ``code_interpreter``; one without a type:
+        # not a ``function`` the client runs), or the model (OpenAI's search models, Perplexity's,
         # Groq's Compound, an OpenRouter slug ending ``:online``).
-        if any(body.get(field) is not None for field in _LIVE_FIELDS):
+        if any(_turned_on(body.get(field)) for field in _LIVE_FIELDS):
             return "server_tools"
         plugins = body.get("plugins")  # (OpenRouter's: its web search, not every plugin)
         if isinstance(plugins, list) and any(
@@ -178,7 +179,8 @@ class ChatApi(_Classic):
             return "server_tools"
         tools = body.get("tools")
         if isinstance(tools, list) and any(
-            isinstance(tool, dict) and tool.get("type") not in (None, "function", "custom")
+            # (One without a ``type`` too: LiteLLM's Gemini grounding, ``{"googleSearch": {}}``.)
+            isinstance(tool, dict) and tool.get("type") not in ("function", "custom")
             for tool in tools
         ):
             return "server_tools"
@@ -385,7 +387,25 @@ def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 # Chat fields with which the upstream answers from what it reads at call time (``never_shared``).
-_LIVE_FIELDS = ("web_search_options", "data_sources", "search_parameters")
+_LIVE_FIELDS = (
+    "web_search_options",
+    "data_sources",
+    "search_parameters",
+    "enable_search",
+    "web_search",
+)
+
+
+def _turned_on(value: Any) -> bool:
+    """Whether a live field asks for its search: any value but none, ``false``, or a setting
+    that turns it off (xAI's ``{"mode": "off"}``, Baidu's ``{"enable": false}``)."""
+    if value is None or value is False:
+        return False
+    if isinstance(value, dict):
+        return value.get("mode") != "off" and value.get("enable") is not False
+    return True
+
+
 # Models that search the web (or run code) on every call: OpenAI's ``gpt-4o-search-preview``,
 # ``gpt-5-search-api``; Perplexity's ``sonar`` family; Groq's ``compound`` ones
 # (``groq/compound-mini``, ``compound-beta``); any OpenRouter slug ending ``:online`` (its web
