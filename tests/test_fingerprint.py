@@ -590,6 +590,24 @@ def test_sampling_policy_strict(params, shared):
         ({"top_k": 1, "temperature": 1, "samplers": []}, False),
         ({"top_k": 1, "temperature": 1, "samplers": ["top_k", "temperature"]}, True),
         ({"top_k": 1, "temperature": 1, "samplers": "kt"}, True),
+        # llama.cpp at temperature 0: its chain is ``samplers`` then a draw; without the
+        # temperature sampler in it, the draw samples (the README: "If a sampler is not set,
+        # it will not be used"); a dynamic temperature range makes 0 a positive temperature;
+        # XTC draws whether to cut the top tokens. A seed makes each draw the same.
+        ({"temperature": 0, "samplers": ["top_k", "top_p"]}, False),
+        ({"temperature": 0, "samplers": "kp"}, False),
+        ({"temperature": 0, "samplers": []}, False),
+        ({"temperature": 0, "samplers": ["top_k", "temperature"]}, True),
+        ({"temperature": 0, "samplers": "kt"}, True),
+        ({"temperature": 0, "dynatemp_range": 1.5}, False),
+        ({"temperature": 0, "dynatemp_range": 0}, True),
+        ({"temperature": 0, "xtc_probability": 0.5}, False),
+        ({"top_k": 1, "xtc_probability": 0.5, "samplers": ["xtc", "top_k"]}, False),
+        ({"temperature": 0, "xtc_probability": 0.5, "seed": 3}, True),
+        # A time budget: where the answer stops depends on the machine's speed, seed or not.
+        ({"temperature": 0, "t_max_predict_ms": 50}, False),
+        ({"temperature": 0, "t_max_predict_ms": 50, "seed": 3}, False),
+        ({"temperature": 0, "t_max_predict_ms": 0}, True),
     ],
 )
 def test_top_k_1_is_no_determinism_where_the_engine_samples_past_it(params, shared):

@@ -406,22 +406,45 @@ def is_deterministic(body: Any) -> bool:
     [0, 2**32 - 1), not one an engine reads as random (-1); ``top_k`` 1 unless the engine
     samples past it: llama-cpp-python's sampler draws from the whole distribution at a negative
     temperature, mirostat takes top-k's place, and llama.cpp's ``samplers`` may leave top-k
-    out of its chain (a list of names, or a string of letters, top-k's ``k``)."""
+    out of its chain (a list of names, or a string of letters, top-k's ``k``); ``temperature``
+    0 unless llama.cpp samples past it: its chain is ``samplers`` then a draw, so without the
+    temperature sampler (``t``) the draw samples, a ``dynatemp_range`` makes 0 a positive
+    temperature, and XTC (``xtc_probability``, past top-k too) draws whether to cut the top
+    tokens. Never a request with a time budget (llama.cpp's ``t_max_predict_ms``): where its
+    answer stops depends on the machine's speed, seed or not."""
+    if _positive(body.get("t_max_predict_ms")):
+        return False
     seed = body.get("seed")
     if type(seed) is int and 0 <= seed < _RANDOM_SEEDS_FROM:
         return True
+    if _positive(body.get("xtc_probability")):
+        return False
     temperature = body.get("temperature")
+    samplers = body.get("samplers")
     if body.get("top_k") == 1:
         negative = isinstance(temperature, (int, float)) and temperature < 0
         mirostat = body.get("mirostat_mode") or body.get("mirostat")
-        samplers = body.get("samplers")
-        skipped = samplers is not None and not (
-            (isinstance(samplers, list) and "top_k" in samplers)
-            or (isinstance(samplers, str) and "k" in samplers)
-        )
-        if not negative and not mirostat and not skipped:
+        if not negative and not mirostat and _in_chain(samplers, "top_k", "k"):
             return True
-    return temperature is not None and temperature == 0
+    return (
+        temperature is not None
+        and temperature == 0
+        and _in_chain(samplers, "temperature", "t")
+        and not _positive(body.get("dynatemp_range"))
+    )
+
+
+def _in_chain(samplers: Any, name: str, letter: str) -> bool:
+    """Whether llama.cpp's ``samplers`` (none: its default chain, which has every one) holds a
+    sampler: by name in a list, by letter in a string."""
+    return samplers is None or (
+        (isinstance(samplers, list) and name in samplers)
+        or (isinstance(samplers, str) and letter in samplers)
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:
