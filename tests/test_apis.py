@@ -1689,6 +1689,9 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
         {"tools": [{"codeExecution": {}}]},
         {"enable_search": True},  # (Alibaba DashScope's)
         {"web_search": {"enable": True}},  # (Baidu Qianfan's)
+        # vLLM's disaggregated prefill: the answer names this request's KV blocks held for its
+        # decode (``remote_block_ids``), another client's decode would read them.
+        {"kv_transfer_params": {"do_remote_decode": True}},
     ],
 )
 async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_shared(
@@ -1709,10 +1712,14 @@ async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_s
     # search turned off.)
     tooled = {
         **body_of("messages"),
-        "tools": [function],
+        # (A function tool without its ``type``, which vLLM and SGLang take as a function's.)
+        "tools": [function, {"function": {"name": "g", "parameters": {}}}],
         "plugins": [{"id": "response-healing"}],
         "search_parameters": {"mode": "off"},
         "enable_search": False,
+        "web_search": {},  # (Baidu's is off unless ``enable``)
+        "data_sources": [],
+        "kv_transfer_params": None,
     }
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "miss"
     assert (await gw.client.post(CHAT, json=tooled)).headers["x-carpool"] == "hit"
@@ -2095,6 +2102,28 @@ async def test_a_messages_turn_asking_for_compaction_is_tenant_bound_in_a_shared
     carry another organization's. When unsure whether the upstream binds it to the maker, it is
     not shared: that turn is its tenant's too."""
     body = {**body_of("messages"), "context_management": {"edits": [{"type": "compact_20260112"}]}}
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
+        first = await gw.client.post(
+            "/v1/messages", json=body, headers={**bearer_of("a"), **shared}
+        )
+        assert first.status_code == 200, first.text
+        calls = fake.count()
+        other = await gw.client.post(
+            "/v1/messages", json=body, headers={**bearer_of("b"), **shared}
+        )
+        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+
+
+async def test_a_messages_compaction_request_is_tenant_bound_in_a_shared_namespace(
+    fake, gateway_with
+):
+    """Anthropic's top-level ``compaction`` (apart from ``context_management``) answers with a
+    signed ``compaction`` block, round-tripped verbatim by the next turn: shared across a
+    shared namespace's tenants, another tenant got one organization's block."""
+    body = {**body_of("messages"), "compaction": {"type": "summarize"}}
     shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
         for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model

@@ -62,6 +62,8 @@ def test_excluded_fields_do_not_change_the_key():
     assert key(chat(safety_identifier="end-user-1", prompt_cache_key="a")) == base
     # How long the prompt cache keeps the prompt: billing and latency, never the answer.
     assert key(chat(prompt_cache_retention="24h")) == base
+    # SGLang's request id (its answer's id is named after it), as vLLM's ``request_id``.
+    assert key(chat(rid="req-alice-1")) == base
     responses = {"model": "m", "input": "x", "temperature": 0, "store": False}
     assert key({**responses, "safety_identifier": "u1"}, path="/v1/responses") != key(
         responses, path="/v1/responses"

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -89,7 +89,7 @@ class _Classic(Api):
     """What chat and completions share: [DONE] streams of choices."""
 
     usage_asked = True
-    request_id_fields = frozenset({"request_id"})  # (vLLM's; out of the key: ``canonical``)
+    request_id_fields = frozenset({"request_id", "rid"})  # (vLLM's, SGLang's: ``canonical``)
 
     def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
         body = {**body, "stream": True}
@@ -170,7 +170,7 @@ class ChatApi(_Classic):
         # the engine's own (Groq's ``browser_search``, ``code_interpreter``; one without a type:
         # not a ``function`` the client runs), or the model (OpenAI's search models, Perplexity's,
         # Groq's Compound, an OpenRouter slug ending ``:online``).
-        if any(_turned_on(body.get(field)) for field in _LIVE_FIELDS):
+        if any(live(body.get(field)) for field, live in _LIVE_FIELDS.items()):
             return "server_tools"
         plugins = body.get("plugins")  # (OpenRouter's: its web search, not every plugin)
         if isinstance(plugins, list) and any(
@@ -179,14 +179,16 @@ class ChatApi(_Classic):
             return "server_tools"
         tools = body.get("tools")
         if isinstance(tools, list) and any(
-            # (One without a ``type`` too: LiteLLM's Gemini grounding, ``{"googleSearch": {}}``.)
-            isinstance(tool, dict) and tool.get("type") not in ("function", "custom")
-            for tool in tools
+            isinstance(tool, dict) and _engines_own(tool) for tool in tools
         ):
             return "server_tools"
         model = body.get("model")
         if isinstance(model, str) and _SEARCH_MODEL.search(model):
             return "server_tools"
+        # vLLM's disaggregated prefill: the answer names this request's KV blocks, held for its
+        # own decode (``remote_block_ids``); another client's decode would read them.
+        if body.get("kv_transfer_params") is not None:
+            return "engine_state"
         return None
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
@@ -273,7 +275,7 @@ class EmbeddingApi(Api):
     kind, path, upstream_path = "embedding", "/v1/embeddings", "/embeddings"
     answer_field = "data"
     streams = False
-    request_id_fields = frozenset({"request_id"})  # (vLLM's; out of the key: ``canonical``)
+    request_id_fields = frozenset({"request_id", "rid"})  # (vLLM's, SGLang's: ``canonical``)
 
     def validate(self, body: dict[str, Any]) -> None:
         require_model(body)
@@ -387,23 +389,26 @@ def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 # Chat fields with which the upstream answers from what it reads at call time (``never_shared``).
-_LIVE_FIELDS = (
-    "web_search_options",
-    "data_sources",
-    "search_parameters",
-    "enable_search",
-    "web_search",
-)
+# Each with what asks for the search (its default where a value leaves it out).
+_LIVE_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "web_search_options": lambda value: value is not None,  # (OpenAI's: any asks)
+    "data_sources": lambda value: bool(value),  # (Azure's: a list of sources)
+    # (xAI's: "auto" by default, "off" turns it off)
+    "search_parameters": lambda value: isinstance(value, dict) and value.get("mode") != "off",
+    "enable_search": lambda value: bool(value),  # (Alibaba's: off by default)
+    # (Baidu's: ``{"enable": true}``, off by default)
+    "web_search": lambda value: isinstance(value, dict) and value.get("enable") is True,
+}
 
 
-def _turned_on(value: Any) -> bool:
-    """Whether a live field asks for its search: any value but none, ``false``, or a setting
-    that turns it off (xAI's ``{"mode": "off"}``, Baidu's ``{"enable": false}``)."""
-    if value is None or value is False:
-        return False
-    if isinstance(value, dict):
-        return value.get("mode") != "off" and value.get("enable") is not False
-    return True
+def _engines_own(tool: dict[str, Any]) -> bool:
+    """Whether a chat tool is one the engine runs itself: of a ``type`` but a function's (the
+    client runs those), or of none and no ``function`` (LiteLLM's Gemini ``{"googleSearch":
+    {}}``; a typeless one with a ``function`` is a function's, as vLLM and SGLang read it)."""
+    kind = tool.get("type")
+    if kind is None:
+        return not isinstance(tool.get("function"), dict)
+    return kind not in ("function", "custom")
 
 
 # Models that search the web (or run code) on every call: OpenAI's ``gpt-4o-search-preview``,
