@@ -164,10 +164,15 @@ class MessagesApi(TypedApi):
         return text_parts(answer.get("content"))
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
-        # Compaction (``context_management``) answers with a block whose ``encrypted_content``
-        # the next turn sends back (a turn carrying one is bound: ``names_tenant_state``):
-        # whether Anthropic takes it from another organization is not said, so not shared.
-        return body.get("context_management") is not None or names_tenant_state(body)
+        # Compaction (``context_management``, or its own ``compaction``) answers with a signed
+        # block whose ``encrypted_content`` the next turn sends back verbatim (a turn carrying
+        # one is bound: ``names_tenant_state``): whether Anthropic takes it from another
+        # organization is not said, so not shared.
+        return (
+            body.get("context_management") is not None
+            or body.get("compaction") is not None
+            or names_tenant_state(body)
+        )
 
     def semantic_split(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         return last_user_turn(body)
