@@ -1136,3 +1136,30 @@ async def test_a_merged_answer_with_a_non_finite_number_for_one_item_sends_each_
     assert [getattr(r, "status", None) for r in results] == [200, 200, 200], results
     assert [b"NaN" in r.body for r in results] == [False, True, False]
     assert batcher.stats()["alone"] == 3 and calls[0] == ["alice", "poison", "bob"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'\xef\xbb\xbf{"object":"list","data":[]}',  # (a byte order mark)
+        '{"object":"list","data":[]}'.encode("utf-16"),
+        b'{"object":"list","data":[],"x":"\\ud800"}',  # (a lone surrogate)
+    ],
+    ids=["bom", "utf16", "surrogate"],
+)
+async def test_a_merged_answer_not_json_for_no_number_is_a_502_for_all_in_one_call(body) -> None:
+    """Python's reader takes these (it strips a byte order mark, reads UTF-16, keeps a lone
+    surrogate), so they were sent again item by item (N + 1 calls); they are no item's fault:
+    the one merged call's 502 for all, as any answer that is not JSON."""
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        calls.append(request.body["input"])
+        return UpstreamResponse(200, {}, body)
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    results = await asyncio.gather(
+        batcher.embed(req("a")), batcher.embed(req("b")), return_exceptions=True
+    )
+    assert all(getattr(r, "status", None) == 502 for r in results)
+    assert len(calls) == 1 and batcher.stats()["alone"] == 0

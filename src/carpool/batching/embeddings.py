@@ -485,9 +485,25 @@ def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
 
 
 def _json_but_for_its_numbers(body: bytes) -> bool:
-    """Whether ``body`` is a JSON object as Python's reader takes it: NaN, Infinity and
-    numbers past a double are all it has that JSON has not (``EmbeddingBatcher._split``)."""
+    """Whether ``body`` is a JSON object in UTF-8 but for a number JSON has not: ``NaN``,
+    ``Infinity``, one past a double (``EmbeddingBatcher._split``). Not one that is no JSON for
+    another reason (a byte order mark, UTF-16, a lone surrogate), which Python's reader takes
+    too: no item's fault."""
+    seen = False
+
+    def constant(name: str) -> float:
+        nonlocal seen
+        seen = True
+        return math.nan
+
+    def number(text: str) -> float:
+        nonlocal seen
+        value = float(text)
+        seen = seen or math.isinf(value)
+        return value
+
     try:
-        return isinstance(json.loads(body), dict)
+        parsed = json.loads(body.decode("utf-8"), parse_constant=constant, parse_float=number)
     except (ValueError, RecursionError):
         return False
+    return seen and isinstance(parsed, dict)
