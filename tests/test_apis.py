@@ -2137,3 +2137,52 @@ async def test_a_messages_compaction_request_is_tenant_bound_in_a_shared_namespa
             "/v1/messages", json=body, headers={**bearer_of("b"), **shared}
         )
         assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+
+
+async def test_a_completion_naming_kv_blocks_for_a_remote_decode_is_never_shared(gw, fake):
+    """vLLM's disaggregated prefill goes through ``/v1/completions`` in its own proxies: the
+    answer names this request's KV blocks (``kv_transfer_params``), so a hit handed another
+    client's decode blocks already read or freed. As on chat: never shared."""
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 1,
+        "prompt": "a long shared document",
+        "kv_transfer_params": {"do_remote_decode": True, "remote_block_ids": None},
+    }
+    first = await gw.client.post("/v1/completions", json=body)
+    again = await gw.client.post("/v1/completions", json=body)
+    assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
+    assert fake.count() == 2
+
+
+async def test_a_messages_turn_sending_back_a_signed_compaction_block_is_tenant_bound(
+    fake, gateway_with
+):
+    """Anthropic's compaction block comes back as ``{"type": "compaction", "content": ...,
+    "signature": ...}``, no ``encrypted_content``: the turn carrying it was shared across a
+    shared namespace's tenants."""
+    turn = {
+        **body_of("messages"),
+        "messages": [
+            {"role": "user", "content": QUESTION},
+            {
+                "role": "assistant",
+                "content": [{"type": "compaction", "content": "summary", "signature": "sig-a"}],
+            },
+            {"role": "user", "content": "And then?"},
+        ],
+    }
+    shared = {"x-carpool-namespace": "docs"}
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
+            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
+        first = await gw.client.post(
+            "/v1/messages", json=turn, headers={**bearer_of("a"), **shared}
+        )
+        assert first.status_code == 200, first.text
+        calls = fake.count()
+        other = await gw.client.post(
+            "/v1/messages", json=turn, headers={**bearer_of("b"), **shared}
+        )
+        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1

@@ -610,6 +610,9 @@ def test_sampling_policy_strict(params, shared):
         ({"temperature": 0, "t_max_predict_ms": 50}, False),
         ({"temperature": 0, "t_max_predict_ms": 50, "seed": 3}, False),
         ({"temperature": 0, "t_max_predict_ms": 0}, True),
+        # (llama.cpp reads a JSON boolean as a number: true is a range of 1, a 1 ms budget.)
+        ({"temperature": 0, "dynatemp_range": True}, False),
+        ({"temperature": 0, "t_max_predict_ms": True}, False),
     ],
 )
 def test_top_k_1_is_no_determinism_where_the_engine_samples_past_it(params, shared):

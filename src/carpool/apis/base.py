@@ -385,8 +385,10 @@ def _names_state(part: Any, depth: int) -> bool:
         if (
             part.get("type") == "item_reference"
             or part.get("file_id") is not None
-            # (Reasoning or a compaction encrypted for one organization: OpenAI's Responses.)
+            # (Reasoning or a compaction encrypted for one organization: OpenAI's Responses;
+            # Anthropic's signed compaction block, round-tripped verbatim.)
             or part.get("encrypted_content") is not None
+            or part.get("type") == "compaction"
         ):
             return True
         inner = [
@@ -444,7 +446,8 @@ def _in_chain(samplers: Any, name: str, letter: str) -> bool:
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    # (``true`` too: llama.cpp reads a JSON boolean as a number, 1.)
+    return isinstance(value, (int, float)) and value > 0
 
 
 def typed_frame(payload: bytes, chunk: dict[str, Any] | None = None) -> bytes:

@@ -91,6 +91,14 @@ class _Classic(Api):
     usage_asked = True
     request_id_fields = frozenset({"request_id", "rid"})  # (vLLM's, SGLang's: ``canonical``)
 
+    def never_shared(self, body: dict[str, Any]) -> str | None:
+        # vLLM's disaggregated prefill (its proxies send it to ``/v1/completions``, or chat):
+        # the answer names this request's KV blocks, held for its own decode
+        # (``remote_block_ids``); another client's decode would read them.
+        if body.get("kv_transfer_params") is not None:
+            return "engine_state"
+        return None
+
     def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
         body = {**body, "stream": True}
         if ask_usage:
@@ -185,11 +193,7 @@ class ChatApi(_Classic):
         model = body.get("model")
         if isinstance(model, str) and _SEARCH_MODEL.search(model):
             return "server_tools"
-        # vLLM's disaggregated prefill: the answer names this request's KV blocks, held for its
-        # own decode (``remote_block_ids``); another client's decode would read them.
-        if body.get("kv_transfer_params") is not None:
-            return "engine_state"
-        return None
+        return super().never_shared(body)
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
         return names_tenant_state(body) or _audio(body)
