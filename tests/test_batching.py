@@ -1163,3 +1163,29 @@ async def test_a_merged_answer_not_json_for_no_number_is_a_502_for_all_in_one_ca
     )
     assert all(getattr(r, "status", None) == 502 for r in results)
     assert len(calls) == 1 and batcher.stats()["alone"] == 0
+
+
+async def test_a_merged_answer_with_an_integer_past_a_double_for_one_item_sends_each_alone() -> (
+    None
+):
+    """``1`` and 400 zeros is past a double, as ``1e400`` is: that item's fault (orjson refuses
+    both), but only the float form was taken so; the integer made one 502 for every caller."""
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        items = given if isinstance(given, list) else [given]
+        big = "1" + "0" * 400
+        rows = ",".join(
+            f'{{"object":"embedding","index":{i},"embedding":[{big if item == "bad" else 0.5}]}}'
+            for i, item in enumerate(items)
+        )
+        return UpstreamResponse(200, {}, b'{"object":"list","data":[%s]}' % rows.encode())
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    results = await asyncio.gather(
+        *(batcher.embed(req(text)) for text in ("good1", "bad", "good2")), return_exceptions=True
+    )
+    assert [getattr(r, "status", None) for r in results] == [200, 200, 200], results
+    assert batcher.stats()["alone"] == 3

@@ -97,6 +97,7 @@ import contextlib
 import hashlib
 import json
 import math
+import sys
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -502,8 +503,17 @@ def _json_but_for_its_numbers(body: bytes) -> bool:
         seen = seen or math.isinf(value)
         return value
 
+    def integer(text: str) -> int | float:
+        nonlocal seen
+        value = int(text)
+        if abs(value) > sys.float_info.max:  # (``1`` and 400 zeros: past a double too)
+            seen = True
+        return value
+
     try:
-        parsed = json.loads(body.decode("utf-8"), parse_constant=constant, parse_float=number)
+        parsed = json.loads(
+            body.decode("utf-8"), parse_constant=constant, parse_float=number, parse_int=integer
+        )
     except (ValueError, RecursionError):
         return False
     return seen and isinstance(parsed, dict)
