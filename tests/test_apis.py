@@ -2186,3 +2186,18 @@ async def test_a_messages_turn_sending_back_a_signed_compaction_block_is_tenant_
             "/v1/messages", json=turn, headers={**bearer_of("b"), **shared}
         )
         assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+
+
+async def test_in_front_of_tgi_a_greedy_looking_request_it_samples_is_never_shared(
+    fake, gateway_with
+):
+    """``upstream.engine: tgi``: TGI samples ``temperature: 0`` with ``top_p`` 0.9 (a warper,
+    and a random seed of its own), and drops ``top_k``: each was served the first sample."""
+    async with gateway_with(upstream={"engine": "tgi"}) as gw:
+        for extra in ({"temperature": 0, "top_p": 0.9}, {"top_k": 1}):
+            body = {**without(body_of("messages"), "temperature"), **extra}
+            outcomes = [(await gw.client.post(CHAT, json=body)).headers["x-carpool"] for _ in "ab"]
+            assert outcomes == ["bypass", "bypass"], extra
+        greedy = await gw.client.post(CHAT, json=body_of("messages"))  # (temperature 0 alone)
+        assert greedy.headers["x-carpool"] == "miss"
+    assert fake.count() == 5

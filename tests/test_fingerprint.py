@@ -752,3 +752,34 @@ def test_a_default_config_keeps_its_keys():
         "a99b68b0af065fc6a6d7c8db01fe457e",
         "1004606a6c2a04f8c7b2e5e8450302d3",
     )
+
+
+@pytest.mark.parametrize(
+    ("engine", "params", "shared"),
+    [
+        # TGI's and Ollama's OpenAI routes drop ``top_k`` (TGI sets none; Ollama's request type
+        # has no such field): ``top_k: 1`` there samples at the temperature sent, or 1.
+        ("tgi", {"top_k": 1}, False),
+        ("ollama", {"top_k": 1, "temperature": 0.7}, False),
+        ("generic", {"top_k": 1}, True),
+        # TGI samples whenever a warper is set, ``top_p`` < 1 among them (and ``typical_p``),
+        # temperature 0 or not, with a random seed of its own unless one is sent.
+        ("tgi", {"temperature": 0, "top_p": 0.9}, False),
+        ("tgi", {"temperature": 0, "top_p": 0.9, "seed": 3}, True),
+        ("tgi", {"temperature": 0}, True),
+        ("ollama", {"temperature": 0, "top_p": 0.9}, True),
+        ("generic", {"temperature": 0, "top_p": 0.9}, True),
+    ],
+)
+def test_an_engine_that_samples_past_the_sampling_rule_is_named_by_upstream_engine(
+    engine, params, shared
+):
+    """The sampling rule takes ``top_k: 1`` and ``temperature: 0`` for greedy, as vLLM, SGLang
+    and llama.cpp read them; TGI and Ollama, named upstreams, do not: with ``upstream.engine``
+    naming them, their requests that sample are not shared (each "regenerate" was served the
+    first sample)."""
+    from carpool.config import Config
+
+    config = Config(upstream={"engine": engine})
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
+    assert (key(body, config=config) is not None) is shared

@@ -140,7 +140,7 @@ def fingerprint(
     never = api.never_shared(request.body)  # (Responses' background, server tools...)
     if never is not None:
         return Fingerprint(None, tenant, namespace, never, owner)
-    if not api.deterministic(request.body):
+    if not api.deterministic(request.body, config.upstream.engine):
         if not (controls.share_sampled or config.sampling == "same-params"):
             return Fingerprint(None, tenant, namespace, "sampled", owner)
     canonical = canonical_body(request.kind, request.body, collapses(request, config))

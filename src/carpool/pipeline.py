@@ -356,7 +356,8 @@ class Gateway:
                 budget = Budget(key.tenant, key.namespace)
                 state = self.layers.audits.state(budget) if self.layers.audits else SERVING
                 near = match.similarity >= BACKED_OFF_SIMILARITY  # (served even backed off)
-                audited = request.api.deterministic(request.body)  # (two samples may differ)
+                # (two samples may differ)
+                audited = request.api.deterministic(request.body, self.config.upstream.engine)
                 if self.config.semantic.mode == "serve" and (
                     state == SERVING or (state == BACKED_OFF and near)
                 ):

@@ -103,11 +103,12 @@ class Api:
         never shared across tenants, shared namespace or not (``names_tenant_state``)."""
         return names_tenant_state(body)
 
-    def deterministic(self, body: dict[str, Any]) -> bool:
+    def deterministic(self, body: dict[str, Any], engine: str = "generic") -> bool:
         """Whether the upstream gives the same output every time (CONTRACT.md "Sampling
         policy"): ``temperature`` 0, ``top_k`` 1 or a ``seed``; absent = the upstream's default,
-        which samples (Anthropic's default temperature is 1)."""
-        return is_deterministic(body)
+        which samples (Anthropic's default temperature is 1). ``engine``: the upstream's
+        (``upstream.engine``), where it samples past that rule (``is_deterministic``)."""
+        return is_deterministic(body, engine)
 
     def client_usage(self, body: dict[str, Any], stream: bool) -> bool:
         """Whether a streaming client gets the usage in its stream (``include_usage``)."""
@@ -403,7 +404,7 @@ def _names_state(part: Any, depth: int) -> bool:
     return any(_names_state(value, depth + 1) for value in inner)
 
 
-def is_deterministic(body: Any) -> bool:
+def is_deterministic(body: Any, engine: str = "generic") -> bool:
     """``temperature`` 0, ``top_k`` 1 or a ``seed`` (CONTRACT.md "Sampling policy"): a seed in
     [0, 2**32 - 1), not one an engine reads as random (-1); ``top_k`` 1 unless the engine
     samples past it: llama-cpp-python's sampler draws from the whole distribution at a negative
@@ -413,7 +414,9 @@ def is_deterministic(body: Any) -> bool:
     temperature sampler (``t``) the draw samples, a ``dynatemp_range`` makes 0 a positive
     temperature, and XTC (``xtc_probability``, past top-k too) draws whether to cut the top
     tokens. Never a request with a time budget (llama.cpp's ``t_max_predict_ms``): where its
-    answer stops depends on the machine's speed, seed or not."""
+    answer stops depends on the machine's speed, seed or not. ``engine`` (``upstream.engine``):
+    TGI's and Ollama's OpenAI routes drop ``top_k``, so ``top_k`` 1 is nothing there; TGI
+    samples whenever ``top_p`` or ``typical_p`` is under 1, temperature 0 or not."""
     if _positive(body.get("t_max_predict_ms")):
         return False
     seed = body.get("seed")
@@ -421,9 +424,11 @@ def is_deterministic(body: Any) -> bool:
         return True
     if _positive(body.get("xtc_probability")):
         return False
+    if engine == "tgi" and any(_under_1(body.get(name)) for name in ("top_p", "typical_p")):
+        return False
     temperature = body.get("temperature")
     samplers = body.get("samplers")
-    if body.get("top_k") == 1:
+    if body.get("top_k") == 1 and engine not in ("tgi", "ollama"):
         negative = isinstance(temperature, (int, float)) and temperature < 0
         mirostat = body.get("mirostat_mode") or body.get("mirostat")
         if not negative and not mirostat and _in_chain(samplers, "top_k", "k"):
@@ -443,6 +448,10 @@ def _in_chain(samplers: Any, name: str, letter: str) -> bool:
         (isinstance(samplers, list) and name in samplers)
         or (isinstance(samplers, str) and letter in samplers)
     )
+
+
+def _under_1(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1
 
 
 def _positive(value: Any) -> bool:

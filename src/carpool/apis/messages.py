@@ -139,7 +139,7 @@ class MessagesApi(TypedApi):
             return "server_tools"
         return None
 
-    def deterministic(self, body: dict[str, Any]) -> bool:
+    def deterministic(self, body: dict[str, Any], engine: str = "generic") -> bool:
         # The Messages API has no ``seed``: temperature 0 or top_k 1 (absent temperature is
         # Anthropic's default, 1).
         if body.get("top_k") == 1:

@@ -288,7 +288,7 @@ class EmbeddingApi(Api):
                 "'input' must be a string, a list of strings or token lists", param="input"
             )
 
-    def deterministic(self, body: dict[str, Any]) -> bool:
+    def deterministic(self, body: dict[str, Any], engine: str = "generic") -> bool:
         return True
 
     def input_texts(self, body: dict[str, Any]) -> list[str]:

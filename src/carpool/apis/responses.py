@@ -149,7 +149,7 @@ class ResponsesApi(TypedApi):
             or names_tenant_state(body)
         )
 
-    def deterministic(self, body: dict[str, Any]) -> bool:
+    def deterministic(self, body: dict[str, Any], engine: str = "generic") -> bool:
         # The Responses API has no ``seed`` nor ``top_k``: only temperature 0.
         temperature = body.get("temperature")
         return temperature is not None and not isinstance(temperature, bool) and temperature == 0

@@ -221,6 +221,15 @@ class UpstreamConfig(Section):
         "warned of at start-up and not used. Redis and calls between workers never go through "
         "a proxy.",
     )
+    engine: Literal["generic", "tgi", "ollama"] = Field(
+        "generic",
+        description="The engine behind the upstreams, where it samples past the sampling rule "
+        "(`temperature` 0, `top_k` 1: greedy, as vLLM, SGLang and llama.cpp read them). "
+        "`tgi`: its OpenAI routes drop `top_k` (`top_k: 1` samples), and it samples whenever "
+        "`top_p` or `typical_p` is under 1, temperature 0 or not, unless a `seed` is sent. "
+        "`ollama`: its OpenAI routes drop `top_k`. Those requests are then not shared (each "
+        '"regenerate" would be served the first sample). generic: the rule as written.',
+    )
     stream_usage: bool = Field(
         True,
         description="Ask a streaming upstream for a final usage chunk "
