@@ -2043,6 +2043,21 @@ async def test_an_audio_answer_is_not_served_past_the_time_its_audio_expires_ups
     assert len(up.calls) == 2
 
 
+async def _each_tenants_own(gw, fake, path: str, warm: dict, body: dict) -> None:
+    """``body`` sent in the shared namespace ``docs`` by tenant a, then b (both accepted by
+    the upstream first, with ``warm``): b's is a call of its own; a's repeat is still a hit."""
+    shared = {"x-carpool-namespace": "docs"}
+    for key in ("a", "b"):
+        await gw.client.post(path, json=warm, headers=bearer_of(key))
+    first = await gw.client.post(path, json=body, headers={**bearer_of("a"), **shared})
+    assert first.status_code == 200, first.text
+    calls = fake.count()
+    other = await gw.client.post(path, json=body, headers={**bearer_of("b"), **shared})
+    assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1, body
+    again = await gw.client.post(path, json=body, headers={**bearer_of("a"), **shared})
+    assert again.headers["x-carpool"] == "hit"  # (still cached for its own tenant)
+
+
 async def test_responses_encrypted_reasoning_is_tenant_bound_in_a_shared_namespace(
     fake, gateway_with
 ):
@@ -2063,7 +2078,6 @@ async def test_responses_encrypted_reasoning_is_tenant_bound_in_a_shared_namespa
         },
     ]
     base = {**body_of("responses"), "store": False}
-    asked = {**base, "include": ["reasoning.encrypted_content"]}
     carried = {
         **base,
         "input": [
@@ -2072,71 +2086,45 @@ async def test_responses_encrypted_reasoning_is_tenant_bound_in_a_shared_namespa
             {"role": "user", "content": "And then?"},
         ],
     }
-    compacted = {**base, "context_management": [{"type": "compaction", "compact_threshold": 1}]}
-    shared = {"x-carpool-namespace": "docs"}
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
-            await gw.client.post("/v1/responses", json=base, headers=bearer_of(key))
-        for body in (asked, carried, compacted):
-            first = await gw.client.post(
-                "/v1/responses", json=body, headers={**bearer_of("a"), **shared}
-            )
-            assert first.status_code == 200, first.text
-            calls = fake.count()
-            other = await gw.client.post(
-                "/v1/responses", json=body, headers={**bearer_of("b"), **shared}
-            )
-            assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1, body
-            again = await gw.client.post(
-                "/v1/responses", json=body, headers={**bearer_of("a"), **shared}
-            )
-            assert again.headers["x-carpool"] == "hit"  # (still cached for its own tenant)
+        for body in (
+            {**base, "include": ["reasoning.encrypted_content"]},
+            carried,
+            {**base, "context_management": [{"type": "compaction", "compact_threshold": 1}]},
+        ):
+            await _each_tenants_own(gw, fake, "/v1/responses", base, body)
 
 
-async def test_a_messages_turn_asking_for_compaction_is_tenant_bound_in_a_shared_namespace(
-    fake, gateway_with
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # Compaction by ``context_management``, or by its own parameter: the answer's block
+        # (its ``encrypted_content``, or signed) is round-tripped verbatim by the next turn;
+        # whether Anthropic takes it from another organization is not said: not shared.
+        {"context_management": {"edits": [{"type": "compact_20260112"}]}},
+        {"compaction": {"type": "summarize"}},
+        # The turn sending back a signed compaction block (no ``encrypted_content``).
+        {
+            "messages": [
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "compaction", "content": "summary", "signature": "s"}],
+                },
+                {"role": "user", "content": "And then?"},
+            ]
+        },
+    ],
+    ids=["context_management", "compaction", "a-signed-block-sent-back"],
+)
+async def test_a_messages_compaction_is_tenant_bound_in_a_shared_namespace(
+    fake, gateway_with, extra
 ):
-    """Anthropic's compaction (``context_management``) answers with a ``compaction`` block whose
-    ``encrypted_content`` the next turn sends back; a turn carrying one was its tenant's, but the
-    turn that made it was shared across a shared namespace's tenants, whose next turn would then
-    carry another organization's. When unsure whether the upstream binds it to the maker, it is
-    not shared: that turn is its tenant's too."""
-    body = {**body_of("messages"), "context_management": {"edits": [{"type": "compact_20260112"}]}}
-    shared = {"x-carpool-namespace": "docs"}
+    """A Messages turn asking for compaction, or carrying its block back, was shared across a
+    shared namespace's tenants: another tenant got, or sent, one organization's block."""
     async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
-            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
-        first = await gw.client.post(
-            "/v1/messages", json=body, headers={**bearer_of("a"), **shared}
-        )
-        assert first.status_code == 200, first.text
-        calls = fake.count()
-        other = await gw.client.post(
-            "/v1/messages", json=body, headers={**bearer_of("b"), **shared}
-        )
-        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
-
-
-async def test_a_messages_compaction_request_is_tenant_bound_in_a_shared_namespace(
-    fake, gateway_with
-):
-    """Anthropic's top-level ``compaction`` (apart from ``context_management``) answers with a
-    signed ``compaction`` block, round-tripped verbatim by the next turn: shared across a
-    shared namespace's tenants, another tenant got one organization's block."""
-    body = {**body_of("messages"), "compaction": {"type": "summarize"}}
-    shared = {"x-carpool-namespace": "docs"}
-    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
-            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
-        first = await gw.client.post(
-            "/v1/messages", json=body, headers={**bearer_of("a"), **shared}
-        )
-        assert first.status_code == 200, first.text
-        calls = fake.count()
-        other = await gw.client.post(
-            "/v1/messages", json=body, headers={**bearer_of("b"), **shared}
-        )
-        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+        warm = body_of("messages")
+        await _each_tenants_own(gw, fake, "/v1/messages", warm, {**warm, **extra})
 
 
 async def test_a_completion_naming_kv_blocks_for_a_remote_decode_is_never_shared(gw, fake):
@@ -2154,38 +2142,6 @@ async def test_a_completion_naming_kv_blocks_for_a_remote_decode_is_never_shared
     again = await gw.client.post("/v1/completions", json=body)
     assert [r.headers["x-carpool"] for r in (first, again)] == ["bypass", "bypass"]
     assert fake.count() == 2
-
-
-async def test_a_messages_turn_sending_back_a_signed_compaction_block_is_tenant_bound(
-    fake, gateway_with
-):
-    """Anthropic's compaction block comes back as ``{"type": "compaction", "content": ...,
-    "signature": ...}``, no ``encrypted_content``: the turn carrying it was shared across a
-    shared namespace's tenants."""
-    turn = {
-        **body_of("messages"),
-        "messages": [
-            {"role": "user", "content": QUESTION},
-            {
-                "role": "assistant",
-                "content": [{"type": "compaction", "content": "summary", "signature": "sig-a"}],
-            },
-            {"role": "user", "content": "And then?"},
-        ],
-    }
-    shared = {"x-carpool-namespace": "docs"}
-    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
-        for key in ("a", "b"):  # both accepted by the upstream for this endpoint and model
-            await gw.client.post("/v1/messages", json=body_of("messages"), headers=bearer_of(key))
-        first = await gw.client.post(
-            "/v1/messages", json=turn, headers={**bearer_of("a"), **shared}
-        )
-        assert first.status_code == 200, first.text
-        calls = fake.count()
-        other = await gw.client.post(
-            "/v1/messages", json=turn, headers={**bearer_of("b"), **shared}
-        )
-        assert other.headers["x-carpool"] == "miss" and fake.count() == calls + 1
 
 
 async def test_in_front_of_tgi_a_greedy_looking_request_it_samples_is_never_shared(

@@ -60,14 +60,20 @@ async def test_every_stopping_signal_exits_0(fake):
     ):
         async with instances(1, fake.url, None, settings) as (gw,):
             if draining_first:
-                gw.proc.send_signal(signal.SIGTERM)
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + 10
-                while (await gw.client.get("/readyz")).status_code != 503:
-                    assert loop.time() < deadline, "never draining"
-                    await asyncio.sleep(0.02)
+                await _drained(gw)
             gw.proc.send_signal(sig)
             assert await asyncio.to_thread(gw.proc.wait, 20) == 0, gw.log.read_text()[-2000:]
+
+
+async def _drained(gw: Any) -> httpx.Response:
+    """SIGTERM sent to ``gw``: returns once it drains (``/readyz`` says 503), that answer."""
+    gw.proc.send_signal(signal.SIGTERM)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (ready := await gw.client.get("/readyz")).status_code != 503:
+        assert loop.time() < deadline, "never draining"
+        await asyncio.sleep(0.02)
+    return ready
 
 
 async def _first_event(client: httpx.AsyncClient, path: str, body: dict, **headers: str) -> Any:
@@ -469,12 +475,7 @@ async def test_every_answer_sent_while_draining_says_connection_close(fake):
         assert (await gw.client.post("/v1/chat/completions", json=BODY)).status_code == 200
         before = await gw.client.post("/v1/chat/completions", json=BODY)
         assert before.headers.get("connection") != "close"
-        gw.proc.send_signal(signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while (ready := await gw.client.get("/readyz")).status_code != 503:
-            assert loop.time() < deadline, "never draining"
-            await asyncio.sleep(0.02)
+        ready = await _drained(gw)
         assert ready.headers.get("connection") == "close"
         miss = {**BODY, "messages": [{"role": "user", "content": "another"}]}
         for body in (BODY, miss):  # (a hit, then a miss)
@@ -502,12 +503,7 @@ async def test_a_request_in_progress_as_the_drain_begins_is_its_connections_last
         )
         await writer.drain()
         await eventually(lambda: fake.count("/v1/chat/completions") == 1, what="the call")
-        gw.proc.send_signal(signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while (await gw.client.get("/readyz")).status_code != 503:
-            assert loop.time() < deadline, "never draining"
-            await asyncio.sleep(0.02)
+        await _drained(gw)
         fake.gate.set()
         answered = await asyncio.wait_for(reader.read(), 20)  # (to the connection's end)
         writer.close()
