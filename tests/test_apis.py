@@ -2156,4 +2156,8 @@ async def test_in_front_of_tgi_a_greedy_looking_request_it_samples_is_never_shar
             assert outcomes == ["bypass", "bypass"], extra
         greedy = await gw.client.post(CHAT, json=body_of("messages"))  # (temperature 0 alone)
         assert greedy.headers["x-carpool"] == "miss"
-    assert fake.count() == 5
+        # (``typical_p`` TGI's OpenAI routes drop, as they drop ``top_k``: greedy there.)
+        typical = {**body_of("messages"), "typical_p": 0.5}
+        outcomes = [(await gw.client.post(CHAT, json=typical)).headers["x-carpool"] for _ in "ab"]
+        assert outcomes == ["miss", "hit"]
+    assert fake.count() == 6

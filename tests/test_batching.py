@@ -1109,7 +1109,9 @@ async def test_a_flush_sends_the_batches_waiting_and_later_ones_wait_no_longer()
 
 
 @pytest.mark.parametrize(
-    "bad", ["NaN", "Infinity", "1e400", "1" + "0" * 400], ids=["nan", "inf", "1e400", "int"]
+    "bad",
+    ["NaN", "Infinity", "1e400", "1" + "0" * 400, "1" + "0" * 5000],
+    ids=["nan", "inf", "1e400", "int", "int-past-int-digits"],  # (Python's int() limit: 4,300)
 )
 async def test_a_merged_answer_with_a_non_finite_number_for_one_item_sends_each_item_alone(
     bad,

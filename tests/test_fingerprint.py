@@ -767,6 +767,7 @@ def test_a_default_config_keeps_its_keys():
         ("tgi", {"temperature": 0, "top_p": 0.9}, False),
         ("tgi", {"temperature": 0, "top_p": 0.9, "seed": 3}, True),
         ("tgi", {"temperature": 0}, True),
+        ("tgi", {"temperature": 0, "typical_p": 0.5}, True),  # (its OpenAI routes drop it)
         ("ollama", {"temperature": 0, "top_p": 0.9}, True),
         ("generic", {"temperature": 0, "top_p": 0.9}, True),
     ],

@@ -416,7 +416,7 @@ def is_deterministic(body: Any, engine: str = "generic") -> bool:
     tokens. Never a request with a time budget (llama.cpp's ``t_max_predict_ms``): where its
     answer stops depends on the machine's speed, seed or not. ``engine`` (``upstream.engine``):
     TGI's and Ollama's OpenAI routes drop ``top_k``, so ``top_k`` 1 is nothing there; TGI
-    samples whenever ``top_p`` or ``typical_p`` is under 1, temperature 0 or not."""
+    samples whenever ``top_p`` is under 1, temperature 0 or not (``typical_p`` it drops)."""
     if _positive(body.get("t_max_predict_ms")):
         return False
     seed = body.get("seed")
@@ -424,7 +424,7 @@ def is_deterministic(body: Any, engine: str = "generic") -> bool:
         return True
     if _positive(body.get("xtc_probability")):
         return False
-    if engine == "tgi" and any(_under_1(body.get(name)) for name in ("top_p", "typical_p")):
+    if engine == "tgi" and _under_1(body.get("top_p")):
         return False
     temperature = body.get("temperature")
     samplers = body.get("samplers")

@@ -485,6 +485,10 @@ def _answer_headers(response: UpstreamResponse) -> dict[str, str]:
     return headers
 
 
+# Digits of the largest double's integer part (1.8e308): an integer of more is past any double.
+_DOUBLE_DIGITS = 309
+
+
 def _json_but_for_its_numbers(body: bytes) -> bool:
     """Whether ``body`` is a JSON object in UTF-8 but for a number JSON has not: ``NaN``,
     ``Infinity``, one past a double (``EmbeddingBatcher._split``). Not one that is no JSON for
@@ -505,8 +509,13 @@ def _json_but_for_its_numbers(body: bytes) -> bool:
 
     def integer(text: str) -> int | float:
         nonlocal seen
+        if len(text.lstrip("-")) > _DOUBLE_DIGITS:
+            # Past any double (``1`` and 400 zeros), and maybe past what ``int()`` reads at all
+            # (4,300 digits): never converted.
+            seen = True
+            return math.inf
         value = int(text)
-        if abs(value) > sys.float_info.max:  # (``1`` and 400 zeros: past a double too)
+        if abs(value) > sys.float_info.max:
             seen = True
         return value
 

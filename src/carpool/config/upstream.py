@@ -225,8 +225,8 @@ class UpstreamConfig(Section):
         "generic",
         description="The engine behind the upstreams, where it samples past the sampling rule "
         "(`temperature` 0, `top_k` 1: greedy, as vLLM, SGLang and llama.cpp read them). "
-        "`tgi`: its OpenAI routes drop `top_k` (`top_k: 1` samples), and it samples whenever "
-        "`top_p` or `typical_p` is under 1, temperature 0 or not, unless a `seed` is sent. "
+        "`tgi`: its OpenAI routes drop `top_k` (`top_k: 1` samples) and `typical_p`, and it "
+        "samples whenever `top_p` is under 1, temperature 0 or not, unless a `seed` is sent. "
         "`ollama`: its OpenAI routes drop `top_k`. Those requests are then not shared (each "
         '"regenerate" would be served the first sample). generic: the rule as written.',
     )
