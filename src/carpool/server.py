@@ -90,6 +90,9 @@ Contract:
   was asked for at the origin's root to every path there) is a 401
   (``AdminTokenPresented``), read no further and sent nowhere: never upstream as a client's
   credential.
+- With ``allowed_hosts`` (``carpool serve`` on loopback: ``localhost``), a request naming the
+  gateway in ``Host`` by another name (an address always passes) is a 403 (``HostNotAllowed``),
+  on every path, before anything else is read (DNS rebinding); the held path leaves it to this.
 - ``/dashboard`` is served with a Content-Security-Policy that runs and applies only the page's
   own inline script and style (their SHA-256, taken at import from the bytes served), loads
   nothing, connects only to the gateway and may not be framed, with ``nosniff``,
