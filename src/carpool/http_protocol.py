@@ -90,8 +90,8 @@ Contract:
 - A request httptools cannot read (RFC 9112: a ``Content-Length`` that is no number, two that
   differ, one beside ``Transfer-Encoding``, a bad chunk size, a space before a header's colon,
   a malformed request line), and one that names no host (HTTP/1.1 without ``Host``) or
-  several (two ``Host`` lines, or one listing two: RFC 9112 3.2) is ``MalformedHttp``: a 400 ``invalid_http`` naming the parser's
-  reason, and a ``Transfer-Encoding`` naming a coding other than chunked (``gzip, chunked``,
+  several (two ``Host`` lines, or one listing two: RFC 9112 3.2) is ``MalformedHttp``: a 400
+  ``invalid_http`` naming the parser's reason, and a ``Transfer-Encoding`` naming a coding other than chunked (``gzip, chunked``,
   on one line or two), which httptools reads as chunked and hands on still coded, is
   ``TransferCodingRefused``: a 501 ``unsupported_transfer_encoding`` (RFC 9112 6.1). Both are
   refused as the 431 is, and the connection closes, lingering (the rest of a body may still be
