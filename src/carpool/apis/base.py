@@ -417,28 +417,34 @@ def is_deterministic(body: Any, engine: str = "generic") -> bool:
     answer stops depends on the machine's speed, seed or not. ``engine`` (``upstream.engine``):
     TGI's and Ollama's OpenAI routes drop ``top_k``, so ``top_k`` 1 is nothing there; TGI
     samples whenever ``top_p`` is under 1, temperature 0 or not (``typical_p`` it drops)."""
-    if _positive(body.get("t_max_predict_ms")):
+    # (llama.cpp's own fields are rare: looked for once, their rules read only if one is there;
+    # this runs on every request's first sight.)
+    llama = not _LLAMA_CPP_FIELDS.isdisjoint(body)
+    if llama and _positive(body.get("t_max_predict_ms")):
         return False
     seed = body.get("seed")
     if type(seed) is int and 0 <= seed < _RANDOM_SEEDS_FROM:
         return True
-    if _positive(body.get("xtc_probability")):
+    if llama and _positive(body.get("xtc_probability")):
         return False
     if engine == "tgi" and _under_1(body.get("top_p")):
         return False
     temperature = body.get("temperature")
-    samplers = body.get("samplers")
+    samplers = body.get("samplers") if llama else None
     if body.get("top_k") == 1 and engine not in ("tgi", "ollama"):
         negative = isinstance(temperature, (int, float)) and temperature < 0
         mirostat = body.get("mirostat_mode") or body.get("mirostat")
         if not negative and not mirostat and _in_chain(samplers, "top_k", "k"):
             return True
-    return (
-        temperature is not None
-        and temperature == 0
-        and _in_chain(samplers, "temperature", "t")
-        and not _positive(body.get("dynatemp_range"))
+    if temperature is None or temperature != 0:
+        return False
+    return not llama or (
+        _in_chain(samplers, "temperature", "t") and not _positive(body.get("dynatemp_range"))
     )
+
+
+# The fields by which llama.cpp samples past ``temperature`` 0 (``is_deterministic``).
+_LLAMA_CPP_FIELDS = frozenset({"t_max_predict_ms", "xtc_probability", "samplers", "dynatemp_range"})
 
 
 def _in_chain(samplers: Any, name: str, letter: str) -> bool:

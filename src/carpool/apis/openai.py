@@ -40,6 +40,7 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -178,7 +179,9 @@ class ChatApi(_Classic):
         # the engine's own (Groq's ``browser_search``, ``code_interpreter``; one without a type:
         # not a ``function`` the client runs), or the model (OpenAI's search models, Perplexity's,
         # Groq's Compound, an OpenRouter slug ending ``:online``).
-        if any(live(body.get(field)) for field, live in _LIVE_FIELDS.items()):
+        if not _LIVE_NAMES.isdisjoint(body) and any(
+            live(body.get(field)) for field, live in _LIVE_FIELDS.items()
+        ):
             return "server_tools"
         plugins = body.get("plugins")  # (OpenRouter's: its web search, not every plugin)
         if isinstance(plugins, list) and any(
@@ -191,7 +194,7 @@ class ChatApi(_Classic):
         ):
             return "server_tools"
         model = body.get("model")
-        if isinstance(model, str) and _SEARCH_MODEL.search(model):
+        if isinstance(model, str) and _searches(model):
             return "server_tools"
         return super().never_shared(body)
 
@@ -403,6 +406,14 @@ _LIVE_FIELDS: dict[str, Callable[[Any], bool]] = {
     # (Baidu's: ``{"enable": true}``, off by default)
     "web_search": lambda value: isinstance(value, dict) and value.get("enable") is True,
 }
+
+
+_LIVE_NAMES = frozenset(_LIVE_FIELDS)
+
+
+@functools.lru_cache(maxsize=256)  # (a few model names, each asked for on every first sight)
+def _searches(model: str) -> bool:
+    return _SEARCH_MODEL.search(model) is not None
 
 
 def _engines_own(tool: dict[str, Any]) -> bool:
