@@ -868,3 +868,21 @@ async def test_a_replica_that_could_not_be_reached_is_remembered_holding_no_pref
     assert second.name != first.name and decision is Decision.FAILOVER
     assert record.size_chars(first.name) == 0
     assert replicas.in_flight == 0
+
+
+async def test_a_replica_a_pass_through_call_could_not_reach_is_remembered_holding_no_prefix():
+    """As on the cached endpoints: a pass-through call refused a connection (the replica most
+    likely restarted) forgets what the policy recorded of that replica."""
+
+    class Refusing(Fake):
+        async def passthrough(self, method, path, query, headers, body):
+            raise UpstreamUnreachable(f"{self.name}: connection refused")
+
+    r0 = Refusing("r0")
+    replicas = ReplicaSet([r0], build_policy("cache-aware"), clock=Clock())
+    record = replicas.policy.record
+    record.insert("You are the assistant of a long conversation. " * 20, "r0")
+    assert record.size_chars("r0") > 0
+    with pytest.raises(UpstreamUnreachable):
+        await replicas.passthrough("GET", "models", b"", {}, b"")
+    assert record.size_chars("r0") == 0

@@ -380,11 +380,7 @@ class ReplicaSet:
                 try:
                     response = await self._attempt(replica, request, text, scope)
                 except _RETRYABLE as error:
-                    self._failed(replica, _what(error), seen)
-                    if isinstance(error, UpstreamUnreachable):
-                        # No connection (refused, reset): most likely restarted, its KV cache
-                        # empty; what the policy recorded of it would draw prefixes it lost.
-                        self.policy.on_lost(replica)
+                    self._unanswered(replica, error, seen)
                     self._observe(replica, error.status, decision)
                     # Sent whole and not answered in time (``UpstreamNoAnswer``) by a replica that
                     # answered other calls meanwhile: alive, it may be running this one: not run
@@ -539,7 +535,7 @@ class ReplicaSet:
                 response = await replica.upstream.passthrough(method, path, query, headers, body)
             except _RETRYABLE as error:
                 self._done(replica)
-                self._failed(replica, _what(error), seen)
+                self._unanswered(replica, error, seen)
                 self._observe(replica, error.status, decision)
                 # Nothing sent (refused, no connection in time): any method may be tried once on
                 # another replica. Sent, maybe in part (``UpstreamNoAnswer``), never: it may have
@@ -652,6 +648,15 @@ class ReplicaSet:
                 # a recovery does not make the next failure the first after a quiet period.
                 replica.unlogged_recoveries += 1
         replica.healthy, replica.probing, replica.failures = True, False, 0
+
+    def _unanswered(self, replica: ReplicaState, error: UpstreamError, seen: int) -> None:
+        """A call of ``replica`` that got no answer (``_RETRYABLE``), a cached endpoint's or a
+        pass-through's: failed; and with no connection at all (refused, reset: most likely
+        restarted, its KV cache empty), forgotten by the policy, whose record of it would
+        draw prefixes it lost."""
+        self._failed(replica, _what(error), seen)
+        if isinstance(error, UpstreamUnreachable):
+            self.policy.on_lost(replica)
 
     def _failed(self, replica: ReplicaState, what: str, seen: int) -> None:
         """A call of ``replica`` failed, sent when its state was ``seen`` (``verdicts``)."""
