@@ -384,12 +384,11 @@ def _names_state(part: Any, depth: int) -> bool:
         inner = [value for value in part if isinstance(value, (dict, list))]
     elif isinstance(part, dict):
         if (
-            part.get("type") == "item_reference"
+            # (Anthropic's signed compaction block, round-tripped verbatim; reasoning or a
+            # compaction encrypted for one organization: OpenAI's Responses.)
+            part.get("type") in ("item_reference", "compaction")
             or part.get("file_id") is not None
-            # (Reasoning or a compaction encrypted for one organization: OpenAI's Responses;
-            # Anthropic's signed compaction block, round-tripped verbatim.)
             or part.get("encrypted_content") is not None
-            or part.get("type") == "compaction"
         ):
             return True
         inner = [

@@ -41,7 +41,6 @@ Contract (``apis.base.Api``; the stream logic itself is ``carpool.sse``):
 from __future__ import annotations
 
 import functools
-import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -217,15 +216,15 @@ class ChatApi(_Classic):
     def expires_at(self, answer: dict[str, Any]) -> float | None:
         # (Each choice's audio: the earliest to go; a value that is no number, now.)
         choices = answer.get("choices")
-        until: float | None = None
+        times: list[float] = []
         for choice in choices if isinstance(choices, list) else ():
             message = choice.get("message") if isinstance(choice, dict) else None
             audio = message.get("audio") if isinstance(message, dict) else None
             if isinstance(audio, dict) and "expires_at" in audio:
                 when = audio["expires_at"]
-                ok = isinstance(when, (int, float)) and not isinstance(when, bool)
-                until = min(until if until is not None else math.inf, when if ok else 0.0)
-        return until
+                number = isinstance(when, (int, float)) and not isinstance(when, bool)
+                times.append(when if number else 0.0)
+        return min(times, default=None)
 
     def keeps_state(self, body: dict[str, Any]) -> bool:
         return body.get("store") is True  # (OpenAI's default is false: nothing kept)
