@@ -72,3 +72,39 @@ def test_a_stop_the_moment_the_runs_directory_is_made_still_removes_it(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_while_the_temporary_directory_is_first_looked_at_leaves_no_file_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``tempfile.gettempdir()``'s first call writes a file in it and removes it; a SIGTERM in
+    # between (the run's start-up handler raises SystemExit) left that 8-character file (a
+    # loaded run of test_a_sigterm_as_the_run_starts_its_workers_leaves_nothing). The run looks
+    # at it with stops only noted (``rundir.stops_noted``), the stop coming after.
+    import os
+    import signal
+    import tempfile
+
+    from carpool.peers import parent_directory
+
+    opened = os.open
+
+    def opened_then_stopped(path: str, *args: object, **kwargs: object) -> int:
+        fd = opened(path, *args, **kwargs)  # type: ignore[arg-type]
+        if os.path.dirname(path) == str(tmp_path):
+            os.kill(os.getpid(), signal.SIGTERM)  # (its handler runs as soon as it may)
+        return fd
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (its first look again)
+    monkeypatch.setattr(tempfile._os, "open", opened_then_stopped)  # type: ignore[attr-defined]
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(SystemExit), rundir.stops_noted():
+            assert parent_directory(2) == str(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert list(tmp_path.iterdir()) == []

@@ -290,7 +290,11 @@ def serve(
         # Everything the workers read as they start, for the whole run, in one directory that
         # this process locks: age-based cleaners of the temporary directory skip it, and the
         # next run removes it if this one is killed with its workers (``carpool.rundir``).
-        run = stack.enter_context(rundir.run_directory(peers.parent_directory(config.workers)))
+        with rundir.stops_noted():
+            # (The temporary directory's first look writes a file in it and removes it: a
+            # SIGTERM in between left that file.)
+            parent = peers.parent_directory(config.workers)
+        run = stack.enter_context(rundir.run_directory(parent))
         resolved = run / RESOLVED_FILE
         fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (the keys)
         with os.fdopen(fd, "w", encoding="ascii") as out:

@@ -87,6 +87,18 @@ def run_directory(parent: str) -> Iterator[Path]:
         os.close(lock)
 
 
+@contextlib.contextmanager
+def stops_noted() -> Iterator[None]:
+    """SIGTERM and SIGINT only noted while the context lasts, then raised again, each to its
+    own handler: for a step a stop must not cut in two (a file made, then removed)."""
+    noted: list[int] = []
+    handlers = _noting(noted)
+    try:
+        yield
+    finally:
+        _restored(handlers, noted)
+
+
 def _noting(noted: list[int]) -> dict[int, Any]:
     """The stop signals' handlers, swapped for ones that note them in ``noted`` (none swapped
     outside the main thread, where no handler can be set: there none runs either)."""
