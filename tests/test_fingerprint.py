@@ -394,6 +394,19 @@ def test_an_int_and_a_float_in_a_tool_schema_are_two_keys():
     assert key(chat(temperature=1, seed=3)) == key(chat(temperature=1.0, seed=3))
 
 
+def test_an_int_and_a_float_a_chat_template_renders_are_two_keys():
+    # vLLM, SGLang and llama.cpp hand ``chat_template_kwargs`` (vLLM ``documents`` too) to the
+    # template as given: Seed-OSS's writes "within 512 tokens" for 512, "within 512.0 tokens"
+    # for 512.0, two prompts that were keyed as one.
+    budget = {"thinking_budget": 512}
+    assert key(chat(chat_template_kwargs=budget)) != key(
+        chat(chat_template_kwargs={"thinking_budget": 512.0})
+    )
+    assert key(chat(chat_template_kwargs=budget)) == key(chat(chat_template_kwargs=dict(budget)))
+    documents = [{"title": "t", "pages": 2}]
+    assert key(chat(documents=documents)) != key(chat(documents=[{"title": "t", "pages": 2.0}]))
+
+
 def test_an_ordered_field_as_deep_as_the_depth_limit_allows_gets_a_key():
     # Each ordered object took three levels in the key's JSON: past ~85 levels of a tool's
     # schema (max_json_depth allows 200) the digest raised and the request was a 500.

@@ -32,8 +32,9 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``stream`` in its key too: engines repeat the prompt in a whole answer and not always in a
   stream (llama.cpp's server), so a stream's answer is no JSON client's.
 - Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
-  schema or a tool's definition (``ORDERED_FIELDS``), and the ``input`` of a Messages
-  ``tool_use`` block, keep their key order, their strings exact and their numbers as written,
+  schema, a tool's definition or a chat template's arguments (``ORDERED_FIELDS``), and the
+  ``input`` of a Messages ``tool_use`` block, keep their key order, their strings exact and
+  their numbers as written,
   an int apart from a float (OpenAI's structured outputs write an object's keys in the schema's
   order, and an ``enum`` value as written; chat templates render tools and tool calls as given,
   ``"minimum": 1`` apart from ``"minimum": 1.0``), and embeddings inputs are
@@ -300,9 +301,11 @@ KEY_VERSION = 2
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
 # structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
-# Anthropic's output_format and output_config): the answer follows their key order (structured
-# outputs write the keys of an object in the schema's order; chat templates render tools as
-# given), so two orders are two requests.
+# Anthropic's output_format and output_config), and the values a chat template renders into the
+# prompt as given (vLLM's, SGLang's and llama.cpp's chat_template_kwargs, vLLM's documents: a
+# thinking budget of 512 and of 512.0 are two prompts): the answer follows their key order
+# (structured outputs write the keys of an object in the schema's order; chat templates render
+# tools as given), so two orders are two requests.
 ORDERED_FIELDS = frozenset(
     {
         "response_format",
@@ -316,6 +319,8 @@ ORDERED_FIELDS = frozenset(
         "grammar",
         "output_format",
         "output_config",
+        "chat_template_kwargs",
+        "documents",
     }
 )
 # The fields of the input text besides ``messages``, ``prompt`` and ``input`` (per API), and the
