@@ -694,3 +694,43 @@ async def test_a_mounted_app_whose_gateway_is_closed_refuses_its_v1_requests_wit
     assert {r.json()["error"]["code"] for r in refused} == {"shutting_down"}
     assert all(r.headers["retry-after"] == "1" for r in refused)
     assert len(calls) == 1
+
+
+async def test_embeddings_waiting_in_a_batch_leave_as_the_apps_lifespan_shuts_down(fake):
+    """A request none of carpool's own connections carries (another worker's, asking the key's
+    owner over its peers' socket, under ``serve --workers``) waited in a batch through the
+    shutdown: only those connections began the drain that sends a batch at once, and a worker
+    with none open never did. Cut at the grace's end, its call made all the same by the worker
+    that asked. The app's lifespan shutdown begins the drain too."""
+    import httpx
+
+    from carpool.server import GatewayApp
+
+    config = Config(
+        upstreams=[fake.url],
+        batching={"embeddings": "on", "max_batch_delay_ms": 600_000},
+    )
+    gateway = build_gateway(config)
+    app = GatewayApp(gateway, grace_s=20)
+    lifespan: asyncio.Queue[dict] = asyncio.Queue()
+    said: list[dict] = []
+
+    async def say(message: dict) -> None:
+        said.append(message)
+
+    lifespan.put_nowait({"type": "lifespan.startup"})
+    running = asyncio.create_task(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}}, lifespan.get, say)
+    )
+    await eventually(lambda: bool(said), what="the startup")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        waiting = asyncio.create_task(
+            client.post("/v1/embeddings", json={"model": "m", "input": "text"})
+        )
+        await eventually(lambda: gateway.batcher.requests == 1, what="the request in a batch")
+        lifespan.put_nowait({"type": "lifespan.shutdown"})
+        answer = await asyncio.wait_for(waiting, 10)
+    await asyncio.wait_for(running, 10)
+    assert answer.status_code == 200, answer.text
+    assert fake.count("/v1/embeddings") == 1

@@ -907,6 +907,10 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
             gc.collect()
             gc.freeze()
         yield
+        # The drain begun here too, not only by carpool's own connections as they close: a
+        # worker that has none open still holds its peers' requests (``carpool.peers``), a
+        # batch of them waiting out its delay, cut at the grace's end.
+        gateway.begin_draining()
         if app.grace_s is not None and gateway.stop_by is None:
             gateway.stop_by = time.monotonic() + app.grace_s
         await gateway.aclose()
