@@ -1145,6 +1145,39 @@ async def test_a_merged_answer_with_a_non_finite_number_for_one_item_sends_each_
 
 
 @pytest.mark.parametrize(
+    "bad",
+    ["null", "[]", "[0.5, 0.5]", '"AAAAPw=="', "3"],
+    ids=["null", "empty", "long", "b64", "n"],
+)
+async def test_a_merged_answer_with_no_usable_vector_for_one_item_sends_each_item_alone(
+    bad,
+) -> None:
+    """A merged 2xx with a null, empty or odd vector for one row (a broken list answer: every
+    other row holds one float) was split as it came, that row's caller served it as a 200
+    (though never stored). Judged as a stored answer is (``completeness``): each item goes
+    alone, each caller gets the engine's own answer."""
+    calls: list[Any] = []
+
+    async def send(request: UpstreamRequest) -> UpstreamResponse:
+        given = request.body["input"]
+        calls.append(given)
+        items = given if isinstance(given, list) else [given]
+        merged = isinstance(given, list)
+        rows = ",".join(
+            f'{{"object":"embedding","index":{i},"embedding":'
+            f"{bad if merged and item == 'broken' else '[0.5]'}}}"
+            for i, item in enumerate(items)
+        )
+        return UpstreamResponse(200, {}, b'{"object":"list","data":[%s]}' % rows.encode())
+
+    batcher = EmbeddingBatcher(send, max_batch_delay_s=0.01)
+    results = await asyncio.gather(*(batcher.embed(req(t)) for t in ("alice", "broken", "bob")))
+    assert [r.status for r in results] == [200, 200, 200]
+    assert [orjson.loads(r.body)["data"][0]["embedding"] for r in results] == [[0.5]] * 3
+    assert batcher.stats()["alone"] == 3 and calls[0] == ["alice", "broken", "bob"]
+
+
+@pytest.mark.parametrize(
     "body",
     [
         b'\xef\xbb\xbf{"object":"list","data":[]}',  # (a byte order mark)

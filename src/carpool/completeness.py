@@ -92,6 +92,14 @@ def is_complete(kind: str, body: Any, choices: int | None = None) -> bool:
     return False
 
 
+def sound_vectors(vectors: list[Any]) -> bool:
+    """``_sound``, false rather than raising for what is no vector (a null, a number)."""
+    try:
+        return all(isinstance(v, (list, str)) for v in vectors) and _sound(vectors)
+    except Exception:
+        return False
+
+
 def _sound(vectors: list[Any]) -> bool:
     """Whether ``vectors`` are the answer of a sound engine: each non-empty, all of one
     length, either every one a list of numbers or every one base64 of float32s; none NaN or

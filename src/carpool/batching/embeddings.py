@@ -112,6 +112,7 @@ from typing import Any, cast
 import orjson
 
 from carpool import exact_json
+from carpool.completeness import sound_vectors
 from carpool.errors import UpstreamError
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
@@ -418,7 +419,8 @@ class EmbeddingBatcher:
     ) -> list[tuple[bytes, dict[str, str]]] | None:
         """Each item's own answer from a merged call's 2xx answer; None (each item then goes
         alone) when it reports an error (a non-null top-level ``error``), whatever else it
-        holds, or is not one embedding per item indexed 0..n-1; an ``UpstreamError`` when it
+        holds, or is not one usable embedding per item indexed 0..n-1 (each non-empty, all
+        of one length and type, as a stored answer's: ``completeness``); an ``UpstreamError`` when it
         is not JSON at all. (JSON but for a number JSON has not, ``NaN``, ``Infinity``,
         ``1e999``, which a Python ``json.dumps`` engine writes for one item's vector, is that
         item's fault: each goes alone, and only its caller gets its 502.)"""
@@ -443,6 +445,11 @@ class EmbeddingBatcher:
         try:
             embeddings = [row["embedding"] for row in data]
         except (KeyError, TypeError):
+            return None
+        if not sound_vectors(embeddings):
+            # A null, empty or short vector, or one of another type than the rest, in a 2xx
+            # (as stored answers are judged, ``completeness``): the list answer is broken, not
+            # an answer to serve the item's client; alone, the engine answers it itself.
             return None
         weights = [approx_tokens(item) for item in items]
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
