@@ -820,6 +820,41 @@ async def test_a_request_target_over_max_header_bytes_is_414_as_it_arrives(fake,
 
 
 @pytest.mark.parametrize(
+    ("limit", "size"),
+    [(None, 65_536), (None, 66_000), (200_000, 70_000)],
+    ids=["default-one-past", "default", "raised"],
+)
+async def test_a_target_past_what_the_http_parser_takes_is_a_414_in_its_endpoints_shape(
+    fake, limit, size
+):
+    """uvicorn parses every target with httptools, which refuses one past 65,535 bytes: a
+    target the limit allowed (the default's 65,536, or a raised limit) was a 400 "not valid
+    HTTP/1.1" in OpenAI's shape on every path, and one refused as too long lost its path (in
+    no endpoint's shape, no ``x-carpool``, counted nowhere). 65,535 is the most taken."""
+    limits = {} if limit is None else {"limits": {"max_header_bytes": limit}}
+    prefix = b"POST /v1/messages?q="
+    async with _gateway(fake, **limits) as (served, counted):
+        async with _socket(served) as (reader, writer):
+            writer.write(prefix + b"q" * (size - len(prefix) + len(b"POST ")))
+            writer.write(b" HTTP/1.1\r\nhost: gw\r\ncontent-length: 2\r\n\r\n{}")
+            status, headers, error = await _refusal(reader)
+        stats = counted.app.gateway.stats.snapshot()
+    assert (status, headers["x-carpool"]) == (414, "bypass"), error
+    assert "code" not in error and error["type"] == "invalid_request_error", error  # Anthropic's
+    assert stats["rejected"] == 1 and fake.count() == 0
+
+
+async def test_a_target_of_65535_bytes_is_served(fake) -> None:
+    """The longest target uvicorn's parser takes, under the default limits: served."""
+    async with _gateway(fake) as (served, _):
+        target = "/v1/models?q="
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            answer = await client.get(target + "q" * (65_535 - len(target)))
+    assert answer.status_code == 200, answer.text
+    assert fake.count("/v1/models") == 1
+
+
+@pytest.mark.parametrize(
     "sent",
     [b"", f"POST {CHAT[:10]}".encode(), f"POST {CHAT} HTTP/1.1\r\nhost: gw\r\ncontent-le".encode()],
     ids=["nothing", "inside the request line", "inside the headers"],

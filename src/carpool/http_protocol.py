@@ -71,7 +71,7 @@ Contract:
   body over ``hold_limit`` bytes is handed over at once.
 - What is read of a request is bounded as it arrives, when the app served is the gateway's
   (under any wrappers: ``_limits_app``): its target to ``limits.max_header_bytes`` bytes
-  (414), its header names and values together to as many (431; counted as ``GatewayApp``
+  (414; 65,535 at most, the most uvicorn's URL parser takes: any target, any app), its header names and values together to as many (431; counted as ``GatewayApp``
   counts them), and a chunked body's trailer section as its headers; a line still coming
   counts as what has come of it. The refusal is the API's error (for a POST to a cached
   endpoint's path: its shape, ``x-carpool: bypass``, counted as rejected; any other method
@@ -232,6 +232,7 @@ class GatewayProtocol(HttpToolsProtocol):
         # wrapper of the user's), if it is the gateway that is served.
         self.limits_app = _limits_app(self.app)
         self.max_head = self.limits_app.max_headers if self.limits_app else sys.maxsize
+        self.max_target = min(self.max_head, MOST_TARGET)
         self.head_timeout = self.limits_app.deadlines.timeout if self.limits_app else None
         # How long a client may read nothing of what it was sent (``_send_deadline``), and,
         # while the transport holds more than it takes (writing paused), the bytes it held
@@ -401,10 +402,10 @@ class GatewayProtocol(HttpToolsProtocol):
             self.url_more += url
         else:
             self.url = url
-        if self.target_size > self.max_head:
+        if self.target_size > self.max_target:
             # (Refused once held, in one piece or several alike: its path names the endpoint
             # whose shape and count the refusal takes.)
-            self._refuse(TargetTooLong(self.max_head))
+            self._refuse(TargetTooLong(self.max_target))
             raise _Refused
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -1219,12 +1220,20 @@ def _under(app: Any, through: Callable[[Any], bool]) -> GatewayApp | None:
     return None
 
 
+# The longest request target uvicorn's protocol parses (``httptools.parse_url``, on every
+# request's head): past it, its head was a 400 "not valid HTTP" in OpenAI's shape, whatever
+# ``limits.max_header_bytes`` allows; now the 414 of a target too long.
+MOST_TARGET = 65_535
+
+
 def _target_path(target: bytes | bytearray) -> str:
     """The path of a request target as uvicorn puts it in the ASGI scope, by which the gateway
     serves it (``/v1/%6Dessages`` and the absolute form ``http://host/v1/messages`` are the
-    Messages endpoint): a refusal here is then in the shape of the endpoint served there."""
+    Messages endpoint): a refusal here is then in the shape of the endpoint served there. Read
+    before its query (the parser refuses a target past ``MOST_TARGET``, a refused one's too)."""
+    target = bytes(target).partition(b"?")[0].partition(b"#")[0]
     try:
-        path = httptools.parse_url(bytes(target)).path or b""
+        path = httptools.parse_url(target).path or b""
     except httptools.HttpParserInvalidURLError:
         return ""
     text = path.decode("latin-1")

@@ -155,7 +155,8 @@ class LimitsConfig(Section):
         64 * 1024,
         gt=0,
         description="Largest total size of a request's "
-        "header names and values (431 beyond it), and of its target, path and query (414); "
+        "header names and values (431 beyond it), and of its target, path and query (414; "
+        "65,535 bytes at most whatever this says, the longest uvicorn's URL parser takes); "
         "a chunked body's trailer fields count as headers (and are dropped). Counted as they "
         "arrive; the connection is closed after the answer (the gateway forwards headers "
         "upstream, and uvicorn's HTTP parser sets no limit).",
