@@ -1025,3 +1025,22 @@ def test_an_empty_config_path_is_refused_it_names_no_file():
     # Path("") is the working directory: "[Errno 21] Is a directory: '.'".
     with pytest.raises(ConfigError, match="config file '': an empty path names no file"):
         Config.load("", env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("fingerprint:\n  repeat_memo_bytes: 18446744073709551616\n", "repeat_memo_bytes"),
+        ("idempotency:\n  max_bytes: 18446744073709551616\n", "max_bytes"),
+        ("cache:\n  max_bytes: 9007199254740993\n", "max_bytes"),
+    ],
+)
+def test_an_integer_past_what_a_double_holds_is_refused_naming_the_field(text, field, tmp_path):
+    """A byte budget of 2**64 was taken, then every /stats, which reports it, was a 500 for the
+    life of the process (its JSON writer takes 64 bits at most)."""
+    path = tmp_path / "carpool.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="at most 9007199254740992") as raised:
+        Config.load(path, env={})
+    assert f"{field}:" in str(raised.value)
+    assert Config.load(env={"CARPOOL_CACHE__MAX_BYTES": str(2**53)}).cache.max_bytes == 2**53

@@ -4,7 +4,7 @@ Contract: a section forbids unknown keys (a typo must not silently keep a defaul
 assignments too (``config.distributed.cluster = True`` is checked like a loaded value); a number
 is finite (``.inf`` seconds overflowed Redis's expiry at the first put) and never a boolean,
 in a list or tuple of numbers too (pydantic reads ``port: true`` as 1 and ``window_ms: false`` as
-0: a slip taken as a setting); a variable's string is still read by its key's type
+0: a slip taken as a setting); an integer is at most ``MOST_INTEGER`` (2**53); a variable's string is still read by its key's type
 (``CARPOOL_PORT=1``). ``OnOff``: a key of
 ``auto``/``on``/``off`` that takes YAML's booleans for the words (``tracing: off`` written
 bare is YAML 1.1's false).
@@ -30,6 +30,11 @@ from .. import http_syntax
 LONGEST_TTL = 100 * 365 * 86400
 
 
+# The largest integer a key takes: one a double holds exactly (2**53), far past any size,
+# count or port a deployment needs.
+MOST_INTEGER = 2**53
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
@@ -45,6 +50,15 @@ class Section(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         if field is not None and _boolean_for_a_number(field.annotation, value):
             raise ValueError("a boolean is not a number (true is not 1, false is not 0)")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _an_integer_a_double_holds(cls, value: Any) -> Any:
+        # A byte budget of 2**64 was taken, then every /stats (which reports it) was a 500:
+        # its JSON writer takes 64 bits at most, and the dashboard's JavaScript holds 2**53.
+        if type(value) is int and abs(value) > MOST_INTEGER:
+            raise ValueError(f"at most {MOST_INTEGER} (2**53)")
         return value
 
 

@@ -34,7 +34,8 @@ def reference_markdown() -> str:
         "key given twice in one of its mappings is refused, naming it and its lines. "
         '`--config ""` is refused (it names no file); an empty `CARPOOL_CONFIG` is no file. '
         "Durations are seconds unless the key ends in `_ms`; "
-        "sizes are bytes. A number is never a boolean: `port: true` is refused, not read as 1.",
+        "sizes are bytes. A number is never a boolean: `port: true` is refused, not read as 1; "
+        "an integer is at most 2**53.",
         "",
         "| key | type | default | meaning |",
         "|---|---|---|---|",
