@@ -1044,3 +1044,12 @@ def test_an_integer_past_what_a_double_holds_is_refused_naming_the_field(text, f
         Config.load(path, env={})
     assert f"{field}:" in str(raised.value)
     assert Config.load(env={"CARPOOL_CACHE__MAX_BYTES": str(2**53)}).cache.max_bytes == 2**53
+
+
+def test_more_than_1024_simulated_replicas_are_refused_naming_the_field():
+    """200,000 were taken: start-up took seconds, every embeddings request then waited for
+    good while the process grew by gigabytes."""
+    with pytest.raises(ConfigError, match="less than or equal to 1024") as raised:
+        Config.load(env={"CARPOOL_SIM__REPLICAS": "1025"})
+    assert "replicas" in str(raised.value)
+    assert Config.load(env={"CARPOOL_SIM__REPLICAS": "1024"}).sim.replicas == 1024

@@ -272,7 +272,13 @@ class UpstreamConfig(Section):
 class SimConfig(Section):
     """The embedded simulated engine: a cost model that behaves like a real one where it matters."""
 
-    replicas: int = Field(1, ge=1, description="Simulated replicas when no --upstream is given.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Simulated replicas when no --upstream is given (at most 1024: each is "
+        "probed and weighed per call, and 200,000 held every embeddings request for good).",
+    )
     max_concurrency: int = Field(
         32, ge=1, description="Sequences decoded at once per replica; more queue."
     )
