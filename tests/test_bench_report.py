@@ -221,10 +221,11 @@ async def test_the_report_names_the_config_file_and_the_upstreams_the_embedded_g
     assert built["params"]["config_file"] == str(config)
     assert built["params"]["upstreams"] == [name]
     assert built["upstream_calls"] == fake.count() > 0 and built["engine"] is None
-    assert "simulated" not in built["cost_model"]["source"]
+    assert "not measured on the engine used here" in built["cost_model"]["source"]
     markdown = (out / "report.md").read_text()
     assert f"embedded gateway + 1 configured upstream (`{name}`)" in markdown
-    assert "simulated engine" not in markdown
+    assert "embedded gateway + simulated engine" not in markdown
+    assert "calls the simulated engine received" not in markdown
 
 
 @pytest.mark.parametrize("flag", [["--seed", "3"], ["--workload", "faq"]])
@@ -314,3 +315,19 @@ def test_the_report_is_written_in_utf8_whatever_the_locale(tmp_path):
     )
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
     assert "`负载-wörk`" in (tmp_path / "report.md").read_text(encoding="utf-8")
+
+
+def test_the_cost_models_source_is_the_sim_section_only_when_the_config_has_one(tmp_path):
+    """A loaded config sets every section: a config without a ``sim`` section was reported as
+    pricing the engine with "the per-token costs given there", uncalibrated figures passed off
+    as calibrated."""
+    from carpool.bench.runner import _cost_source
+    from carpool.config import Config
+
+    bare, priced = tmp_path / "bare.yaml", tmp_path / "priced.yaml"
+    bare.write_text("upstreams: [http://127.0.0.1:9/v1]\n")
+    priced.write_text("sim:\n  prefill_ms_per_token: 0.1\n")
+    assert "not measured" in _cost_source(Config.load(bare, env={}), str(bare))
+    assert _cost_source(Config.load(priced, env={}), str(priced)).startswith(
+        f"the sim section of {priced}"
+    )

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from .. import http_syntax
+from .. import exact_json, http_syntax
 from ..jsonl import numbered_lines
 from .workloads import CHAT, ENDPOINTS, BenchRequest, Workload, WorkloadError, tenant_header_value
 
@@ -49,7 +49,9 @@ def load_jsonl(
     for number, line in numbered_lines(text):  # (not str.splitlines(): ``carpool.jsonl``)
         where = f"{path}:{number}"
         try:
-            row = orjson.loads(line)
+            # (An integer past 64 bits kept as its digits, as the gateway keeps it: rounded
+            # to a double, another request was replayed than the one recorded.)
+            row = exact_json.loads(line)
         except orjson.JSONDecodeError as error:
             raise WorkloadError(f"{where}: not valid JSON ({error})") from None
         if not isinstance(row, dict):
@@ -94,6 +96,12 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
         raise WorkloadError(
             f"{where}: 'body' must be a JSON object (the request body), got {type(body).__name__}"
         )
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError as error:
+        # (orjson reads 1024 levels and writes 254: a body between was read, then its first
+        # send raised, a traceback and no report.)
+        raise WorkloadError(f"{where}: 'body' cannot be sent as JSON ({error})") from None
     endpoint = row.get("endpoint", CHAT)
     if endpoint not in ENDPOINTS:
         raise WorkloadError(

@@ -377,7 +377,8 @@ async def _run(
 
 def _cost_source(config: Config, config_file: str | None) -> str:
     """Where the per-token costs of a run on another engine than the simulated one come from."""
-    if "sim" in config.model_fields_set:
+    # (The section's own keys set, not the section: a loaded config sets every section.)
+    if config.sim.model_fields_set:
         return f"the sim section of {config_file or 'the config'}: the per-token costs given there"
     return (
         "config.sim's defaults: the simulated engine's cost model, not measured on the engine "

@@ -103,9 +103,17 @@ class Spec:
             raise WorkloadError("duplicate_rate + paraphrase_rate must not exceed 1")
         if self.tenants < 1 or self.system_prompts_per_tenant < 1 or self.max_tokens < 1:
             raise WorkloadError("tenants, system_prompts_per_tenant and max_tokens must be >= 1")
+        if self.tenants > MOST_TENANTS:
+            # (Each tenant's system prompts are written before the first request: 10**8 of
+            # them grew the run past 16 GB, deaf to SIGTERM, for a one-request workload.)
+            raise WorkloadError(f"tenants must be at most {MOST_TENANTS:,}, got {self.tenants:,}")
         if self.burst_factor < 1 or self.burst_mean_s <= 0 or self.zipf_s < 0:
             raise WorkloadError("burst_factor must be >= 1, burst_mean_s > 0, zipf_s >= 0")
 
+
+# The most tenants a synthetic workload has (``--tenants``): each one's system prompts are
+# made up front.
+MOST_TENANTS = 10_000
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Every trait at once, semantic-layer traffic included (it is off by default: paraphrases are
