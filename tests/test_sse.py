@@ -260,6 +260,48 @@ def test_assemble_without_a_usage_chunk_leaves_usage_out():
     assert body["choices"][0]["logprobs"] is None
 
 
+def test_a_tool_calls_other_fields_assemble_as_the_engine_answers_them():
+    """A custom tool's call (OpenAI streams ``custom.input`` in pieces) came back as an empty
+    function call, and Gemini's ``extra_content`` (the thought signature its next turn must
+    send back) was dropped: a call kept only ``id``, ``type`` and ``function``. Its other
+    fields merge as a message's do; ``function`` only where a delta carried one."""
+
+    def call(**fields):
+        delta = {"tool_calls": [{"index": 0, **fields}]}
+        return chunk([{"index": 0, "delta": delta, "finish_reason": None}])
+
+    custom = [
+        call(id="call_c", type="custom", custom={"name": "shell", "input": ""}),
+        call(custom={"input": "echo"}),
+        call(custom={"input": " hello"}),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+    ]
+    signed = {"google": {"thought_signature": "SIG_A"}}
+    gemini = [
+        call(
+            id="fc-1",
+            type="function",
+            function={"name": "f", "arguments": '{"a":1}'},
+            extra_content=signed,
+        ),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+    ]
+    calls = [assemble("chat", c)["choices"][0]["message"]["tool_calls"] for c in (custom, gemini)]
+    assert calls == [
+        [{"id": "call_c", "type": "custom", "custom": {"name": "shell", "input": "echo hello"}}],
+        [
+            {
+                "id": "fc-1",
+                "type": "function",
+                "function": {"name": "f", "arguments": '{"a":1}'},
+                "extra_content": signed,
+            }
+        ],
+    ]
+    for body in (assemble("chat", custom), assemble("chat", gemini)):
+        assert assemble("chat", synthesize("chat", body, include_usage=True)) == body
+
+
 def test_assemble_merges_tool_call_deltas_split_over_chunks_into_whole_arguments():
     def call(index, **fields):
         return chunk(

@@ -14,8 +14,9 @@ Contract:
       a ``function_call``, a non-empty ``refusal`` or reasoning text (``reasoning_content``,
       ``reasoning``), or ``audio`` (a bare None comes back as ``""``, the text of a stream that
       sent none);
-    * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} only, and appear
-      in index order; ``function_call`` has ``name`` and ``arguments``;
+    * tool calls have ``id``, ``type`` and ``function`` {``name``, ``arguments``} (or, for
+      another type of call, its own object: a custom tool's ``custom``), and appear in index
+      order; ``function_call`` has ``name`` and ``arguments``;
     * ``usage`` is a dict or absent (``"usage": None`` comes back absent); ``object`` is the
       standard one ("chat.completion" / "text_completion").
   Any other top-level, choice or message field survives as well: top-level ones keep their first
@@ -36,7 +37,9 @@ Contract:
   repeated whole in every delta (llama.cpp's server, which repeats ``id``, ``type`` and ``name``
   with each piece of the arguments): a name delta equal to the whole name so far is a repeat,
   not more of the name (so a name streamed as two equal halves, ``"ab"`` + ``"ab"``, reads as
-  ``"ab"``: no engine is known to split names so). ``arguments`` always concatenate. A stream
+  ``"ab"``: no engine is known to split names so). ``arguments`` always concatenate. A call's
+  other keys (a custom tool's ``custom``, Gemini's ``extra_content``) merge as message fields
+  do, and it has a ``function`` only where a delta carried one (or nothing else). A stream
   without a usage chunk (an engine that ignores ``stream_options.include_usage``) assembles
   without ``usage``: nothing is invented.
   The chunks and bodies returned share nested values (usage, logprobs entries, ...) with their
@@ -204,14 +207,22 @@ def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     return merged
 
 
+# A tool call's keys read by ``_ToolCall`` itself; any other (a custom tool's ``custom``, whose
+# ``input`` OpenAI streams in pieces; Gemini's ``extra_content``, the thought signature its next
+# turn must send back) merges as a message's fields do.
+_TOOL_CALL_OWN = frozenset(("index", "id", "type", "function"))
+
+
 class _ToolCall:
-    __slots__ = ("id", "type", "name", "arguments")
+    __slots__ = ("id", "type", "name", "arguments", "function", "fields")
 
     def __init__(self) -> None:
         self.id: str | None = None
         self.type: str | None = None
         self.name = ""
         self.arguments: list[str] = []
+        self.function = False  # whether a delta carried a ``function``
+        self.fields: dict[str, _Merged] = {}
 
     def add(self, delta: dict[str, Any]) -> None:
         # id and type come in the first delta of a call (some engines repeat them: the first
@@ -222,19 +233,24 @@ class _ToolCall:
             self.id = delta.get("id")
         if self.type is None:
             self.type = delta.get("type")
-        function = delta.get("function") or {}
-        name = function.get("name")
-        if isinstance(name, str) and name and name != self.name:
-            self.name += name
-        if function.get("arguments"):
-            self.arguments.append(function["arguments"])
+        function = delta.get("function")
+        if function is not None:
+            self.function = True
+            name = function.get("name")
+            if isinstance(name, str) and name and name != self.name:
+                self.name += name
+            if function.get("arguments"):
+                self.arguments.append(function["arguments"])
+        if not _TOOL_CALL_OWN.issuperset(delta):
+            _merge_into(self.fields, delta, _TOOL_CALL_OWN)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": self.type or "function",
-            "function": {"name": self.name, "arguments": "".join(self.arguments)},
-        }
+        out: dict[str, Any] = {"id": self.id, "type": self.type or "function"}
+        if self.function or not self.fields:  # (a call that said nothing else: a function's)
+            out["function"] = {"name": self.name, "arguments": "".join(self.arguments)}
+        for key, merged in self.fields.items():
+            out[key] = merged.value()
+        return out
 
 
 class _Choice:
