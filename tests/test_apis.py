@@ -2161,3 +2161,27 @@ async def test_in_front_of_tgi_a_greedy_looking_request_it_samples_is_never_shar
         outcomes = [(await gw.client.post(CHAT, json=typical)).headers["x-carpool"] for _ in "ab"]
         assert outcomes == ["miss", "hit"]
     assert fake.count() == 6
+
+
+def test_an_audio_chat_stream_ended_without_a_finish_reason_is_whole():
+    """OpenAI's audio models end a chat stream ([DONE]) on the audio's ``expires_at`` delta and
+    never say a finish reason (openai-node #1206); their whole answer says "stop". Such a
+    stream failed for every client sharing it, and every repeat ran again. A text choice
+    without one is still a stream cut short."""
+    from carpool.errors import UpstreamStreamBroken
+
+    def chunk(delta: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+
+    spoken = [
+        chunk({"role": "assistant", "content": None}),
+        chunk({"audio": {"id": "audio_1", "transcript": "Hi", "data": "AAAA"}}),
+        chunk({"audio": {"expires_at": 1_700_000_000}}),
+    ]
+    api = api_of("chat")
+    body, complete = api.judge_stream(spoken, None)
+    assert complete and body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["audio"]["transcript"] == "Hi"
+    with pytest.raises(UpstreamStreamBroken):
+        api.judge_stream([chunk({"role": "assistant", "content": "Hi"})], None)

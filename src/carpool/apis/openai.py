@@ -131,7 +131,8 @@ class _Classic(Api):
         self, body: dict[str, Any], asked: dict[str, Any] | None
     ) -> tuple[dict[str, Any], bool]:
         """``judge_stream`` of the assembled ``body``."""
-        if not is_complete(self.kind, body):  # (a choice begun that never finished: cut short)
+        if not is_complete(self.kind, body) and not _spoken(self.kind, body):
+            # (A choice begun that never finished: cut short.)
             raise UpstreamStreamBroken("the upstream stream ended before every choice finished")
         # A choice asked for that never began, in a stream that ended with [DONE]: the engine
         # answered fewer (it ignores ``n``); its client would have got this, so it is served.
@@ -161,6 +162,25 @@ class _Classic(Api):
 
     def error_event(self, error: CarpoolError, sent: int | None = 0) -> bytes:
         return error_event(error)
+
+
+def _spoken(kind: str, body: dict[str, Any]) -> bool:
+    """Whether the choices of a chat stream that ended ([DONE]) without a finish reason are all
+    spoken answers, each then given "stop": OpenAI's audio models end such a stream on the
+    audio's ``expires_at`` delta and never say one (openai-node #1206), and their whole answer
+    says "stop". The body is then complete (true), or not (false: cut short)."""
+    choices = body.get("choices")
+    if kind != "chat" or not isinstance(choices, list):
+        return False
+    unfinished = [c for c in choices if isinstance(c, dict) and c.get("finish_reason") is None]
+    if not unfinished or not all(
+        isinstance(c.get("message"), dict) and isinstance(c["message"].get("audio"), dict)
+        for c in unfinished
+    ):
+        return False
+    for choice in unfinished:
+        choice["finish_reason"] = "stop"
+    return is_complete(kind, body)
 
 
 class ChatApi(_Classic):
