@@ -1021,6 +1021,29 @@ def test_a_stream_assembled_from_azure_keeps_the_real_id():
     assert (assemble("chat", blank)["id"], assemble("chat", blank)["created"]) == ("", 0)
 
 
+def test_a_choices_content_filter_results_from_azure_survive_its_empty_last_say():
+    # Azure sends a choice's content-filter results with each content chunk and ``{}`` with its
+    # finish chunk; its whole answer has the results. The last non-null value kept was ``{}``:
+    # a client reading ["hate"]["filtered"] got a KeyError.
+    results = {"hate": {"filtered": False, "severity": "safe"}}
+    chunks = [
+        {**HEAD, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {
+            **HEAD,
+            "choices": [
+                {"index": 0, "delta": {"content": "Hi"}, "content_filter_results": results}
+            ],
+        },
+        {
+            **HEAD,
+            "choices": [
+                {"index": 0, "delta": {}, "finish_reason": "stop", "content_filter_results": {}}
+            ],
+        },
+    ]
+    assert assemble("chat", chunks)["choices"][0]["content_filter_results"] == results
+
+
 def test_a_stream_without_usage_assembles_without_usage_and_the_last_usage_wins():
     text = [delta_chunk({"role": "assistant", "content": "hi"}), finish_chunk("stop")]
     assert "usage" not in assemble("chat", text)  # none invented

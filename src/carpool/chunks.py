@@ -22,7 +22,8 @@ Contract:
   Any other top-level, choice or message field survives as well: top-level ones keep their first
   non-null value (``id``, ``model``, ``created`` and ``system_fingerprint`` their first
   non-blank one: Azure OpenAI opens its streams with a chunk that has ``""`` and ``0`` there,
-  before the real ones), choice ones their last non-null value (but vLLM's ``token_ids``,
+  before the real ones), choice ones their last non-null value (an object updating the one
+  held, key by key: Azure's ``content_filter_results``; and vLLM's ``token_ids``,
   the ids of each chunk's new tokens, whose lists concatenate into the whole answer's, and its
   ``prompt_token_ids``, said once, which keep their first); message ones (``refusal``,
   ``reasoning_content``, ``audio``, ``annotations``...) merge as the SDKs accumulate deltas:
@@ -178,11 +179,15 @@ _FIRST = frozenset(("prompt_token_ids",))
 
 def _keep_last(fields: dict[str, Any], source: dict[str, Any], skip: frozenset[str]) -> None:
     """The last non-null value of each field (a field only ever null is kept as None), but
-    ``_CONCATENATED`` lists, which concatenate, and ``_FIRST`` fields, whose first one is kept."""
+    ``_CONCATENATED`` lists, which concatenate, ``_FIRST`` fields, whose first one is kept, and
+    objects, which update the object held key by key (Azure's ``content_filter_results``, said
+    with each content chunk, then ``{}`` with the finish: its whole answer has the results)."""
     for key, value in source.items():
         if key in skip or (value is None and key in fields):
             continue
-        if key in _CONCATENATED and type(value) is list:
+        if type(value) is dict and type(held := fields.get(key)) is dict:
+            fields[key] = {**held, **value}
+        elif key in _CONCATENATED and type(value) is list:
             held = fields.get(key)
             if type(held) is list:
                 held.extend(value)  # (a copy of its own: made below)
