@@ -288,6 +288,9 @@ def test_a_recorded_workload_is_read_sorted_with_its_tenants_and_headers(tmp_pat
         # (read, orjson reads 1024 levels, but not written back, it writes 254: the first send
         # raised, a traceback, no report)
         ('{"t": 0, "body": {"metadata": %s}}' % ("[" * 300 + "]" * 300), "cannot be sent"),
+        # (a big integer named by its digits, not as "<orjson.Fragment object at 0x...>")
+        ('{"t": 0, "body": {}, "tenant": 123456789012345678901234567890}', "got 1234567890123"),
+        ('{"t": 0, "body": {}, "endpoint": 123456789012345678901234567890}', "got 1234567890123"),
     ],
 )
 def test_a_malformed_recorded_workload_names_the_line_and_the_problem(tmp_path, line, message):
@@ -296,6 +299,11 @@ def test_a_malformed_recorded_workload_names_the_line_and_the_problem(tmp_path, 
     with pytest.raises(WorkloadError, match=message) as error:
         load_jsonl(path)
     assert f"{path}:2:" in str(error.value)
+
+
+def test_a_recorded_time_past_64_bits_is_a_finite_number_of_seconds(tmp_path):
+    path = _write(tmp_path / "late.jsonl", ['{"t": 123456789012345678901234567890, "body": {}}'])
+    assert load_jsonl(path).requests[0].t == 0.0  # (the earliest, made 0)
 
 
 def test_a_recorded_integer_past_64_bits_is_sent_as_written(tmp_path):

@@ -83,14 +83,21 @@ def load_jsonl(
     )
 
 
+def _shown(value: Any) -> str:
+    """``value`` as a refusal names it: a big integer by its digits (not its reader's type)."""
+    return orjson.dumps(value).decode() if exact_json.is_big(value) else repr(value)
+
+
 def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     t = row.get("t")
+    if exact_json.is_big(t):  # (past 64 bits: a finite number all the same)
+        t = float(orjson.dumps(t))
     if t is not None and (
         not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t)
     ):
         # Any origin, a negative one included (a clock started after the first line): the
         # earliest kept becomes 0 (``load_jsonl``).
-        raise WorkloadError(f"{where}: 't' must be a finite number of seconds, got {t!r}")
+        raise WorkloadError(f"{where}: 't' must be a finite number of seconds, got {_shown(t)}")
     body = row.get("body")
     if not isinstance(body, dict):
         raise WorkloadError(
@@ -105,7 +112,7 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
     endpoint = row.get("endpoint", CHAT)
     if endpoint not in ENDPOINTS:
         raise WorkloadError(
-            f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}"
+            f"{where}: 'endpoint' must be one of {', '.join(ENDPOINTS)}, got {_shown(endpoint)}"
         )
     headers = row.get("headers") or {}
     if not isinstance(headers, dict) or not all(
@@ -116,7 +123,7 @@ def _row(row: dict[str, Any], where: str, tenant_header: str) -> BenchRequest:
         _check_header(name, value, where)
     tenant = row.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
-        raise WorkloadError(f"{where}: 'tenant' must be a string, got {tenant!r}")
+        raise WorkloadError(f"{where}: 'tenant' must be a string, got {_shown(tenant)}")
     if tenant is not None and http_syntax.CONTROL.search(tenant):
         raise WorkloadError(
             f"{where}: 'tenant' must be a string that fits in a header (no control characters "
