@@ -71,8 +71,9 @@ Contract:
   body over ``hold_limit`` bytes is handed over at once.
 - What is read of a request is bounded as it arrives, when the app served is the gateway's
   (under any wrappers: ``_limits_app``): its target to ``limits.max_header_bytes`` bytes
-  (414; 65,535 at most, the most uvicorn's URL parser takes: any target, any app), its header names and values together to as many (431; counted as ``GatewayApp``
-  counts them), and a chunked body's trailer section as its headers; a line still coming
+  (414; 65,535 at most, the most uvicorn's URL parser takes: any target, any app), its header
+  names and values together to as many (431; counted as ``GatewayApp`` counts them), and a
+  chunked body's trailer section as its headers; a line still coming
   counts as what has come of it. The refusal is the API's error (for a POST to a cached
   endpoint's path: its shape, ``x-carpool: bypass``, counted as rejected; any other method
   there is pass-through's, as elsewhere) with ``connection: close``, and the
