@@ -4,7 +4,10 @@ Contract: every setting can also come from the config file and ``CARPOOL_*`` var
 win; a run's own options, ``carpool bench``'s and ``eval-semantic``'s, are flags only); a bad
 configuration exits with status 2 and a message naming the field and what is allowed
 (``carpool.commands.common``), as does a host no socket can take, or an address it cannot listen
-on (``listen_problem``). The first log line of
+on (``listen_problem``), a Redis older than 7.0, and a Redis user (an ACL user on a Redis shared
+with other services) that may not run what carpool needs, each refusal named
+(``_refuse_missing_permissions``; a Redis that does not answer then is no verdict: the start
+goes on). The first log line of
 ``carpool serve`` says which engine it fronts, so nobody mistakes the simulator for a real model:
 the simulated engine's is a WARNING, written whatever ``log_level`` (``_said_at_any_level``).
 The "listening on" line comes once the socket is bound and names the port it got (``--port 0``:
@@ -209,6 +212,7 @@ def serve(
                 without_credentials(config.redis),
             )
             config.distributed.cluster = True
+        _refuse_missing_permissions(config)
         log.info(
             "exact answers%s shared through Redis at %s (in-process fallback "
             "while it is unreachable)",
@@ -328,6 +332,30 @@ def serve(
 
 # The resolved config's name in the run's directory (``serve --workers``).
 RESOLVED_FILE = "config.yaml"
+
+
+def _refuse_missing_permissions(config: Config) -> None:
+    """Exit 2 naming what the Redis user may not run of what carpool needs (an ACL user on a
+    Redis shared with other services, ``carpool.redis.permissions``): run anyway, each refusal
+    looked like Redis down, nothing was shared and a keyed retry on another instance ran twice.
+    A Redis that does not answer now gives no verdict: the start goes on, as without the check."""
+    from .redis.permissions import permission_problems
+
+    assert config.redis is not None
+    prefix = config.distributed.key_prefix
+    problems = asyncio.run(
+        permission_problems(config.redis, prefix, cluster=config.distributed.cluster)
+    )
+    if not problems:
+        return
+    click.echo(
+        f"carpool: --redis: the Redis user of {without_credentials(config.redis)} may not run "
+        f"what carpool needs: {'; '.join(problems)}. Allow them (ACL SETUSER <user> "
+        f'~{prefix}* &{prefix}* +@all -@dangerous): see "A Redis shared with other services" '
+        "in docs/scaling.md",
+        err=True,
+    )
+    sys.exit(2)
 
 
 def _stopped_while_starting(signum: int, frame: Any) -> None:

@@ -8,7 +8,8 @@
   scripts and records: :mod:`.flight_protocol`; the follower's relay: :mod:`.flight_relay`;
 - :mod:`.invalidation`: the pub/sub channel that carries invalidations to every instance;
 - :mod:`.semantic`: semantic entries shared through a stream;
-- :mod:`.idempotency`: idempotency records.
+- :mod:`.idempotency`: idempotency records;
+- :mod:`.permissions`: what an ACL user must be allowed, checked at ``carpool serve``'s start.
 
 Each module keeps its own protocol (its keys, scripts and failure rules at its top); what they
 share (connecting, translating errors, one degraded state per instance) lives in
