@@ -221,6 +221,73 @@ async def test_an_invalidation_on_one_instance_reaches_every_instance(fake, shar
         assert (await b.chat()).headers["x-carpool"] == "miss"
 
 
+async def keys_and_values(target) -> dict[bytes, bytes]:
+    """Every key on ``target`` (each node of a cluster), with its value as ``DUMP`` writes it
+    (any type; without its TTL)."""
+    import redis.asyncio as aredis
+
+    found: dict[bytes, bytes] = {}
+    for node in getattr(target, "nodes", [target]):
+        client = aredis.Redis.from_url(node.url)
+        try:
+            async for key in client.scan_iter(match="*", count=1000):
+                found[key] = await client.dump(key)
+        finally:
+            await client.aclose()
+    return found
+
+
+async def test_invalidating_everything_touches_no_key_outside_the_instances_own_shapes(
+    fake, shared_redis
+):
+    """Two deployments on one Redis whose prefixes nest (``carpool:``, and ``carpool:e:``,
+    which the config accepts), and another app's keys under the first's prefix: ``{"all":
+    true}`` on the first drops its own entries and lingering locks only. Before, its scans
+    acted on every key their patterns matched: it deleted the second deployment's entry and
+    idempotency record (a retry there ran the request again) and the other app's
+    ``carpool:e:other-app``, rewrote a string at ``carpool:lock:other-app-str``, and a hash at
+    ``carpool:lock:other-app-hash`` failed every such invalidation (the instance degraded), as
+    did a hash under a lock's very name."""
+    from carpool.redis.connection import connect
+
+    lingering = {"coalesce": {"window_ms": 60_000, "adaptive": False}}
+    nested = {"distributed": {"key_prefix": "carpool:e:"}, **lingering}
+    keyed = {"Idempotency-Key": "order-1"}
+    async with gateways(1, fake, shared_redis, **nested) as (d,):
+        assert (await d.chat("the nested deployment's", headers=keyed)).status_code == 200
+    raw = connect(shared_redis.url, cluster=shared_redis.cluster)
+    try:
+        await raw.set("carpool:e:other-app", b"another app's")
+        await raw.set("carpool:lock:other-app-str", b"another app's")
+        await raw.hset("carpool:lock:other-app-hash", b"field", b"another app's")
+        # (Under a lock's very name, no string: left as it is, the other locks forgotten.)
+        await raw.hset("carpool:lock:{" + "f" * 32 + "}", b"field", b"another app's")
+    finally:
+        await raw.aclose()
+    foreign = await keys_and_values(shared_redis)
+    nested_keys = {k for k in foreign if k.startswith(b"carpool:e:") and b"other-app" not in k}
+    for shape in (b"carpool:e:e:{", b"carpool:e:idem:{", b"carpool:e:lock:{"):
+        assert any(k.startswith(shape) for k in nested_keys), (shape, nested_keys)
+    async with gateways(1, fake, shared_redis, **lingering) as (a,):
+        assert (await a.chat("the first deployment's")).status_code == 200
+        own = {k for k in await redis_keys(shared_redis) if k not in foreign}
+        for shape in (b"carpool:e:{", b"carpool:lock:{"):  # (its entry, its lingering lock)
+            assert any(k.startswith(shape) for k in own), (shape, own)
+        invalidated = await a.client.post(
+            "/admin/invalidate", json={"all": True}, headers={"Authorization": "Bearer t"}
+        )
+        health = (await a.client.get("/healthz")).json()
+        left = await keys_and_values(shared_redis)
+        again = await a.chat("the first deployment's")
+    assert invalidated.status_code == 200, invalidated.text
+    assert invalidated.json() == {"invalidated": 1}
+    assert health["redis"]["state"] == "up" and health["redis"]["errors"] == 0, health
+    assert {k: v for k, v in left.items() if k in foreign} == foreign
+    dropped = (b"carpool:e:{", b"carpool:lock:{", b"carpool:{stats}:")  # (its entry, lock, counts)
+    assert not {k for k in left if k not in foreign and k.startswith(dropped)}
+    assert again.headers["x-carpool"] == "miss" and fake.count() == 3
+
+
 async def test_a_deleted_response_is_dropped_on_every_instance(fake, shared_redis):
     # Deleted through one instance, the stored response another instance made and stored in
     # Redis is no longer served by either: the instance that stored it (which alone knows its

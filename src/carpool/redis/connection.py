@@ -26,7 +26,8 @@ Contract
   carpool writes there (``WRONGTYPE``: something else wrote it) is :class:`WrongType`, a
   third: Redis answered; the layer that reads the key treats it as a value it cannot read
   (``store``: a miss, the key dropped; ``idempotency``: a response not kept), never as an
-  outage. A layer that does not handle it takes it as any failure. A command a Redis Cluster
+  outage (:func:`wrong_type` tells it among the replies of a pipeline that returns its
+  errors). A layer that does not handle it takes it as any failure. A command a Redis Cluster
   refused while its slot was being migrated (a reshard between its steps: ``TRYAGAIN`` for a
   command on several keys, some moved and some not, or redirections, until redis-py's 16
   tries ran out: ``ClusterError: TTL exhausted``) is :class:`SlotMoving`, a fourth: Redis
@@ -106,6 +107,7 @@ __all__ = [
     "close_client",
     "stop_reader",
     "wait_set",
+    "wrong_type",
     "url_problem",
     "unavailable",
     "version_problem",
@@ -506,8 +508,7 @@ def _translated(what: str) -> Iterator[None]:
         kind = SlotMoving if "TTL exhausted" in str(exc) else StoreUnavailable
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except ResponseError as exc:
-        # (In a script too: Redis >= 7 keeps the error's code at the start of its message.)
-        kind = WrongType if str(exc).startswith("WRONGTYPE") else StoreUnavailable
+        kind = WrongType if wrong_type(exc) else StoreUnavailable
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
@@ -533,6 +534,15 @@ def _translated(what: str) -> Iterator[None]:
         if _CLOSED_TRANSPORT not in str(exc):
             raise
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def wrong_type(error: BaseException) -> bool:
+    """Whether ``error`` is Redis's ``WRONGTYPE`` (a key holding another type than the command
+    works on), as a pipeline run with ``raise_on_error=False`` returns it among its replies."""
+    from redis.exceptions import ResponseError
+
+    # (In a script too: Redis >= 7 keeps the error's code at the start of its message.)
+    return isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE")
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -46,6 +46,7 @@ same ``Answer`` or the same error.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -69,7 +70,7 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from .connection import ALWAYS
-from .keys import glob_escape, key_id
+from .keys import key_id, tagged
 from .store_layout import StoreKeys
 
 __all__ = [
@@ -88,7 +89,7 @@ __all__ = [
     "flight_keys",
     "followed_keys",
     "lingers",
-    "lock_pattern",
+    "lock_names",
     "stale_keys",
 ]
 
@@ -114,9 +115,11 @@ def followed_keys(prefix: str, key: str) -> str:
     return f"{prefix}followed:{{{key_id(key)}}}:"
 
 
-def lock_pattern(prefix: str) -> str:
-    """Every flight's lock, as a SCAN pattern."""
-    return glob_escape(prefix) + "lock:*"
+def lock_names(prefix: str) -> tuple[str, re.Pattern[bytes]]:
+    """Every flight's lock: a SCAN pattern, and the whole name a key it matches must have to be
+    a lock (``keys.tagged``: a key of another deployment whose prefix begins with this one's, or
+    another app's, is no lock of ours)."""
+    return tagged(prefix, "lock:")
 
 
 # KEYS: lock, the exact store's entry (``entry_key``). ARGV: token, lease ms, max age ms (-1:

@@ -163,6 +163,7 @@ from .connection import (
     stop_reader,
     unavailable_in,
     wait_set,
+    wrong_type,
 )
 from .flight_protocol import (
     CLAIM,
@@ -176,7 +177,7 @@ from .flight_protocol import (
     error_record,
     flight_keys,
     followed_keys,
-    lock_pattern,
+    lock_names,
     stale_keys,
 )
 from .flight_relay import GONE, follow
@@ -274,16 +275,23 @@ class SharedFlights:
         a stale call sets it aside and leads a fresh one, which the others follow: ``TAKE``);
         its followers keep it, and it is not replayed once finished.
 
-        Scans the locks (one per call running or lingering, on every instance); returns how
-        many it dropped or marked (those it could: a Redis failure is reported, not raised).
+        Scans the locks (one per call running or lingering, on every instance): only the keys
+        whose whole name is a lock (``lock_names``: the pattern matches another deployment's
+        keys, whose prefix begins with this one's, and another app's), one of another type
+        left as it is (``_forget_batch``). Returns how many it dropped or marked (those it
+        could: a Redis failure is reported, not raised).
         """
-        pattern = lock_pattern(self.prefix)
+        pattern, name = lock_names(self.prefix)
         dropped = 0
         try:
             with _unavailable("forget finished flights"):
                 await read_topology(self._client)
                 batch: list[bytes] = []
                 async for lock in self._client.scan_iter(match=pattern, count=500):
+                    # Only a lock's whole name: the pattern also matches another deployment's
+                    # keys (its prefix beginning with this one's) and another app's.
+                    if name.fullmatch(lock) is None:
+                        continue
                     batch.append(lock)
                     if len(batch) >= 500:
                         dropped += await self._forget_batch(batch)
@@ -312,10 +320,23 @@ class SharedFlights:
             return 0
 
     async def _forget_batch(self, locks: list[bytes]) -> int:
+        """``FORGET`` each of ``locks``: how many it dropped or marked. A key of another type
+        under a lock's name (something else wrote it) is left as it is, and the others are
+        forgotten all the same; any other error is raised once all have run."""
         pipe = self._client.pipeline(transaction=False)
         for lock in locks:
             pipe.eval(FORGET, 1, lock)
-        return sum(await pipe.execute())
+        forgotten, failed = 0, None
+        for lock, result in zip(locks, await pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(result, Exception):
+                forgotten += result
+            elif wrong_type(result):
+                log.warning("%r is no flight's lock (something else wrote it): left", lock)
+            elif failed is None:
+                failed = result
+        if failed is not None:
+            raise failed
+        return forgotten
 
     async def aclose(self) -> None:
         """Background work (a claim taken back, a flight's end tried again) ends: it stops

@@ -11,6 +11,12 @@ Contract:
 - ``digest(text)``: user input (tags, namespaces) is only ever its 32-hex BLAKE2b digest in a
   key name.
 - ``glob_escape(text)`` is ``text`` matched literally in a SCAN/KEYS pattern.
+- ``tagged(prefix, family)`` is how a layer finds its own keys ``P family{ID}`` (an entry, a
+  lock) by SCAN: the pattern, and the whole name that a key the pattern matched must have to be
+  carpool's (its group 1: the ID). A SCAN pattern is no boundary: another deployment's prefix
+  may begin with this one's (``carpool:e:`` under ``carpool:``, its every key matching
+  ``carpool:e:*``), and another app may write under it. Only a key whose whole name is one
+  carpool writes is acted on.
 - ``xread_entries(reply)`` is the entries of a one-stream XREAD reply, whichever protocol
   (RESP2 or RESP3) the client speaks.
 """
@@ -21,7 +27,15 @@ import hashlib
 import re
 from typing import Any
 
-__all__ = ["ENTRY_ID", "check_prefix", "digest", "glob_escape", "key_id", "xread_entries"]
+__all__ = [
+    "ENTRY_ID",
+    "check_prefix",
+    "digest",
+    "glob_escape",
+    "key_id",
+    "tagged",
+    "xread_entries",
+]
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 ENTRY_ID = re.compile(rb"[0-9a-f]{32}|[0-9a-f]{40}")
@@ -47,6 +61,14 @@ def digest(text: str) -> str:
 def glob_escape(text: str) -> str:
     """``text`` matched literally in a SCAN/KEYS pattern."""
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def tagged(prefix: str, family: str) -> tuple[str, re.Pattern[bytes]]:
+    """The keys ``prefix + family + "{ID}"``: a SCAN pattern for them (which matches other keys
+    too), and the whole name of one, to ``fullmatch`` each key found (group 1: the ID)."""
+    start = prefix + family
+    name = re.escape(start.encode()) + rb"\{(" + ENTRY_ID.pattern + rb")\}"
+    return glob_escape(start) + "{*}", re.compile(name)
 
 
 def xread_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -47,9 +47,11 @@ Contract (on top of ``store.base``):
   index of candidates and drop each candidate only if its entry, checked atomically in Redis,
   still carries the tag/namespace (a replaced entry is never dropped for its old tags). Prefix
   invalidation scans the prompt-prefix index (an admin action, O(entries)). ``everything`` SCANs
-  and UNLINKs every entry under the prefix and the counts (never FLUSHDB: other data may share
-  the database); the indexes stay, supersets that expire with their members, so that a put
-  racing it never leaves an entry out of its index.
+  for the entries and UNLINKs each key whose whole name is one of this store's entries, and the
+  counts (never FLUSHDB: other data may share the database; a key the SCAN pattern matches may
+  be another deployment's, whose prefix begins with this one's, or another app's: left as it
+  is); the indexes stay, supersets that expire with their members, so that a put racing it
+  never leaves an entry out of its index.
 - An invalidation that answered drops every answer of a call that began before it, on every
   instance, even one whose put was on its way meanwhile: each invalidation first INCRs a
   generation in Redis; ``put(..., since=generation())`` (the generation read before the call
@@ -70,6 +72,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Unpack
@@ -112,6 +115,9 @@ if TYPE_CHECKING:
 __all__ = ["RedisStore", "StoreUnavailable", "glob_escape", "xread_entries"]
 
 log = logging.getLogger("carpool.store")
+
+# (An entry's key, its ID) pairs: named out here, as ``RedisStore.bytes`` hides the type inside.
+EntryKeys = AsyncIterator[tuple[bytes, bytes]]
 
 STATS_INTERVAL = 1.0  # s between two reads of ``entries``/``bytes`` by reports and gets
 BATCH = 500  # keys per SCAN page / per pipelined round trip in invalidations
@@ -352,16 +358,12 @@ class RedisStore:
         seen: set[bytes] = set()
         batch: list[str] = []
         dropped = 0
-        start = self._keys.entry_start
         if index is None:
             await read_topology(self._client)
         members = (
             self._client.zscan_iter(index, count=BATCH)
             if index is not None
-            else (
-                (key[len(start) : -1], 0)
-                async for key in self._client.scan_iter(match=self._keys.families[0], count=BATCH)
-            )
+            else ((entry_id, 0) async for _, entry_id in self._entry_keys())
         )
         async for member, _ in members:
             entry_id, _, prompt_prefix = member.partition(b"\n")
@@ -393,8 +395,15 @@ class RedisStore:
             self._counted(await self._client.eval(STATS, 3, *self._keys.stats, "del", *gone))
         return len(gone)
 
+    async def _entry_keys(self) -> EntryKeys:
+        """Every entry's key and ID, on every master: only the keys whose whole name is an
+        entry's (the SCAN pattern matches others: the module's contract)."""
+        async for key in self._client.scan_iter(match=self._keys.entries, count=BATCH):
+            entry_id = self._keys.entry_id(key)
+            if entry_id is not None:
+                yield key, entry_id
+
     async def _drop_everything(self) -> int:
-        entry_key = self._keys.entry_start
         dropped = 0
         batch: list[bytes] = []
 
@@ -402,22 +411,22 @@ class RedisStore:
             pipe = self._client.pipeline(transaction=False)
             for key in batch:
                 pipe.execute_command("UNLINK", key)  # (a cluster pipeline's unlink is not queued)
-            results = await pipe.execute()
-            return sum(
-                n for key, n in zip(batch, results, strict=True) if key.startswith(entry_key)
-            )
+            return sum(await pipe.execute())
 
-        # Only this store's own key families: other layers (idempotency records, flights) share
-        # the prefix, and dropping cached answers must never forget that a request already ran.
+        # Only this store's own keys, by their whole names: other layers (idempotency records,
+        # flights) share the prefix, and dropping cached answers must never forget that a
+        # request already ran; nor may it drop what another deployment, whose prefix begins
+        # with this one's, or another app keeps under it.
         await read_topology(self._client)
-        for family in self._keys.families:
-            async for key in self._client.scan_iter(match=family, count=BATCH):
-                batch.append(key)
-                if len(batch) >= BATCH:
-                    dropped += await unlink()
-                    batch = []
+        async for key, _ in self._entry_keys():
+            batch.append(key)
+            if len(batch) >= BATCH:
+                dropped += await unlink()
+                batch = []
         if batch:
             dropped += await unlink()
+        # The counts, by their names (one slot): no entry they counted is left.
+        await self._client.unlink(*self._keys.stats)
         self._counted([0, 0])
         return dropped
 

@@ -38,6 +38,11 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
   (a put racing it must not lose the index of an entry it writes after the scan). The three
   ``{stats}`` keys share one slot because one Lua script updates them together; they go away
   when no entry is live.
+- What the store finds by SCAN (invalidating everything; an index that was no sorted set) is
+  an entry only if its whole name is ``P e:{ID}`` (``StoreKeys.entry_id``), and invalidating
+  everything drops the three ``{stats}`` keys by name: the pattern ``P e:{*}`` also matches
+  the keys of a deployment whose prefix is ``P e:`` (its entries, its idempotency records)
+  and another app's, which are not the store's to drop.
 - A value under an entry's key that no carpool wrote (something else wrote the key: a hash
   ``decode`` cannot read, ``Unreadable``, or another type, ``WRONGTYPE``) is dropped by the
   first get that reads it (``UNREADABLE``, if it is still the value read) or invalidation
@@ -62,7 +67,7 @@ from ..answer import Answer
 from ..apis import APIS
 from ..store.base import Entry
 from .connection import ALWAYS, GROWS, REDIS_NOW
-from .keys import digest, glob_escape
+from .keys import digest, tagged
 
 __all__ = [
     "COUNT",
@@ -95,11 +100,16 @@ class StoreKeys:
             f"{prefix}{{stats}}:bytes",
         ]
         self.prefixes = f"{prefix}prefixes"
-        # Every key of the store's own families, as SCAN patterns (Redis globs give braces no
-        # meaning: the families are patterns as they are), and how an entry's key begins.
-        self.families = [glob_escape(prefix) + family for family in ("e:*", "{stats}:*")]
-        self.entry_start = f"{prefix}e:{{".encode()
+        # Every entry, as a SCAN pattern, and the whole name of one (``keys.tagged``): what
+        # the pattern matches is an entry only if its whole name is one.
+        self.entries, self._entry_name = tagged(prefix, "e:")
         self.generation = f"{prefix}generation"
+
+    def entry_id(self, key: bytes) -> bytes | None:
+        """The ID of the entry whose key is ``key``; None if ``key`` is no entry's name (a key
+        of another deployment whose prefix begins with this one's, or of another app)."""
+        name = self._entry_name.fullmatch(key)
+        return None if name is None else name.group(1)
 
     def entry(self, entry_id: str) -> str:
         return f"{self.prefix}e:{{{entry_id}}}"
