@@ -101,3 +101,17 @@ def test_the_start_check_covers_every_command_carpools_scripts_call():
     }
     checked = {check[0].upper() for check in NEEDED}
     assert called and called <= checked, called - checked
+
+
+@pytest.mark.parametrize(
+    ("target", "mode"), [("redis_server", "standalone"), ("redis_cluster", "cluster")]
+)
+async def test_a_user_that_may_not_run_info_still_has_its_servers_mode_read(target, mode, request):
+    """``-@dangerous`` refuses INFO: the start warned that Redis did not answer though it did,
+    and a cluster went undetected (MOVED for the other masters' keys, until
+    ``distributed.cluster`` was set by hand). HELLO, which such a user may send, tells the
+    server's mode and version."""
+    from carpool.redis.connection import server_mode
+
+    url = with_user(request.getfixturevalue(target), RECOMMENDED)
+    assert await server_mode(url) == mode

@@ -199,10 +199,9 @@ def serve(
             sys.exit(2)
         if mode is None:
             log.warning(
-                "Redis at %s does not answer INFO now (down, or INFO not "
-                "allowed); starting with this instance's memory and trying again. If it "
-                "is a cluster node, set distributed.cluster: true (it could not be "
-                "detected)",
+                "Redis at %s does not answer now; starting with this instance's memory "
+                "and trying again. If it is a cluster node, set distributed.cluster: true "
+                "(it could not be detected)",
                 without_credentials(config.redis),
             )
         elif mode == "cluster" and not config.distributed.cluster:

@@ -567,23 +567,36 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
 
     It raises ``ValueError`` for a server older than Redis 7.0 (:func:`version_problem`), and
     reads the server's ``maxmemory-policy`` (``INFO memory``; a server that refuses it is not
-    checked): a warning in the log when it is an eviction policy (:func:`eviction_problem`)."""
+    checked): a warning in the log when it is an eviction policy (:func:`eviction_problem`).
+    An ACL user that may not run INFO has the mode and the version read from ``HELLO``."""
     client = connect(url, socket_timeout=timeout, connect_timeout=timeout, retries=0)
     try:
-        with unavailable("read the server's mode"):
-            info = await client.info("cluster")
         try:
-            with unavailable("read the server's version"):
-                server = await client.info("server")
-        except StoreUnavailable:  # (INFO server not allowed: nothing to say)
-            server = {}
-        try:
-            with unavailable("read the server's memory policy"):
-                memory = await client.info("memory")
-        except StoreUnavailable:  # (INFO memory not allowed: nothing to say)
-            memory = {}
-    except StoreUnavailable:
-        return None
+            with unavailable("read the server's mode"):
+                info = await client.info("cluster")
+        except StoreUnavailable:
+            # INFO refused (an ACL user with ``-@dangerous``, the usual one on a Redis shared
+            # with other services), or Redis down: HELLO, which such a user may send, says
+            # the mode and the version (no memory policy: not checked).
+            hello = await _hello(client)
+            if hello is None:
+                return None
+            info = {"cluster_enabled": 1 if hello.get("mode") == "cluster" else 0}
+            server = (
+                {"redis_version": hello.get("version")} if hello.get("server") == "redis" else {}
+            )
+            memory: dict[str, Any] = {}
+        else:
+            try:
+                with unavailable("read the server's version"):
+                    server = await client.info("server")
+            except StoreUnavailable:  # (INFO server not allowed: nothing to say)
+                server = {}
+            try:
+                with unavailable("read the server's memory policy"):
+                    memory = await client.info("memory")
+            except StoreUnavailable:  # (INFO memory not allowed: nothing to say)
+                memory = {}
     finally:
         await close_client(client)
     too_old = version_problem(server)
@@ -593,6 +606,24 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     if problem is not None:
         log.warning("%s", problem)
     return "cluster" if str(info.get("cluster_enabled", 0)) == "1" else "standalone"
+
+
+async def _hello(client: Any) -> dict[str, Any] | None:
+    """The server's HELLO (its ``server``, ``version``, ``mode``... as text), None when it does
+    not answer. (A map in RESP3; in RESP2, a list of names and values.)"""
+    try:
+        with unavailable("say hello"):
+            reply = await client.execute_command("HELLO")
+    except StoreUnavailable:
+        return None
+    if isinstance(reply, list):
+        reply = dict(zip(reply[::2], reply[1::2], strict=False))
+    if not isinstance(reply, dict):
+        return None
+    return {
+        (k.decode() if isinstance(k, bytes) else str(k)): v.decode() if isinstance(v, bytes) else v
+        for k, v in reply.items()
+    }
 
 
 def version_problem(server: dict[str, Any]) -> str | None:
