@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool.canonical import ORDERED_FIELDS
 from carpool.config import Config
 from carpool.fingerprint import (
     fingerprint,
@@ -407,26 +408,29 @@ def test_an_int_and_a_float_a_chat_template_renders_are_two_keys():
     assert key(chat(documents=documents)) != key(chat(documents=[{"title": "t", "pages": 2.0}]))
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "t"}])],
-)
-def test_a_field_keyed_as_ordered_since_version_3_never_takes_an_older_instances_key(
-    field, value, monkeypatch
-):
-    # An ordered field is keyed as its JSON text: a string. Before these fields were ordered, a
-    # string value of one was keyed as that string: an older instance's key for the string
-    # was a newer one's for the object, and on one Redis the newer served (and replayed under
-    # an Idempotency-Key) the answer to the other request. Such requests have a key version
-    # of their own; every other request keeps its key.
+ORDERED_VALUES = {
+    "chat_template_kwargs": {"enable_thinking": False},
+    "documents": [{"title": "t"}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "response_format": {"type": "json_object"},
+}
+
+
+@pytest.mark.parametrize("field", sorted(ORDERED_FIELDS))
+def test_a_request_holding_an_ordered_field_never_takes_an_older_instances_key(field, monkeypatch):
+    # An ordered field is keyed as its JSON text: a string. Before a field was ordered, a string
+    # value of it was keyed as that string: an older instance's key for the string was a newer
+    # one's for the object, and on one Redis the newer served (and replayed under an
+    # Idempotency-Key) the answer to the other request. A request holding one has a key
+    # version of its own; every other request keeps its key.
     from carpool import canonical
 
+    value = ORDERED_VALUES.get(field, {"type": "object", "properties": {"a": {"minimum": 1}}})
     new = key(chat(**{field: value}))
     monkeypatch.setattr(canonical, "ORDERED_FIELDS", canonical.ORDERED_FIELDS - {field})
-    monkeypatch.setattr(canonical, "ORDERED_SINCE_3", frozenset(), raising=False)
     older = key(chat(**{field: orjson.dumps(value).decode()}))
     assert new != older
-    assert key(chat()) == key(chat())  # (and a request without them: as before, below)
+    assert key(chat()) == key(chat())  # (and a request without one: as before, below)
 
 
 def test_an_ordered_field_as_deep_as_the_depth_limit_allows_gets_a_key():

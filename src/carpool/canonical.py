@@ -293,18 +293,18 @@ NEUTRAL_PREFIXES = (
 # (Not moved on when ``ORDERED_FIELDS``, exact embeddings inputs, exact strings outside the
 # input text and integral floats kept in ordered fields came: an ordered field's objects are
 # written in a form no key had before (but as a string value of that field: hence
-# ``ORDERED_SINCE_3``, below), and a string in NFC, or an ordered field with no
+# ``ORDERED_VERSION``, below), and a string in NFC, or an ordered field with no
 # integral float, keeps the key it had, whose answer, if a canonically equivalent request's,
 # goes with its TTL. Every other key stays, and with it the cache. Nor when integers past 64
 # bits came to be keyed by their digits: only a request holding one, or an integral float past
 # 64 bits, has a new key; every other keeps its own.)
 KEY_VERSION = 2
-# The fields keyed as ordered since key version 3 (``ORDERED_FIELDS``): an ordered value is in
-# the key as its JSON text, a string, and before them a string value of one of these was in the
-# key as that string; an older instance's key for the string would be a newer one's for the
-# object, on one Redis the answer to the other request. A request that holds one is keyed
-# under version 3; every other keeps its key.
-ORDERED_SINCE_3 = frozenset(("chat_template_kwargs", "documents"))
+# A request that holds an ordered field (``ORDERED_FIELDS``) is keyed under version 3: an
+# ordered value is in the key as its JSON text, a string, and before a field was ordered a
+# string value of it was in the key as that string; an older instance's key for the string
+# (``"tools": "[...]"``) was a newer one's for the object, on one Redis the answer to the
+# other request. Every other request keeps its key.
+ORDERED_VERSION = 3
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
 # structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
@@ -459,7 +459,7 @@ def scope(request: Request, config: Config, label: str, tenant: str, namespace: 
     """Everything besides the body that decides which answer a request may get."""
     controls = request.controls
     scoped = [
-        KEY_VERSION if ORDERED_SINCE_3.isdisjoint(request.body) else 3,
+        KEY_VERSION if ORDERED_FIELDS.isdisjoint(request.body) else ORDERED_VERSION,
         label,
         tenant,
         namespace,
