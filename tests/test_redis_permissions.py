@@ -69,6 +69,14 @@ def test_a_redis_user_without_time_is_refused_at_start_naming_it(target, request
     assert re.search(r"\bTIME\b", result.stderr) and "docs/scaling.md" in result.stderr
 
 
+def test_a_cluster_user_that_may_not_run_command_is_refused_at_start_naming_it(redis_cluster):
+    """redis-py's cluster client reads the commands' key positions (``COMMAND``) as it starts:
+    refused, the instance served from its own memory only, Redis taken for down."""
+    result = serve_refused(with_user(redis_cluster, f"{RECOMMENDED} -command"))
+    assert result.returncode == 2, result.stderr
+    assert re.search(r"\bCOMMAND\b", result.stderr), result.stderr
+
+
 def test_a_redis_user_that_may_not_run_scripts_is_refused_at_start(redis_server):
     result = serve_refused(with_user(redis_server, f"{RECOMMENDED} -@scripting"))
     assert result.returncode == 2 and "EVAL" in result.stderr, result.stderr

@@ -77,7 +77,8 @@ NEEDED: tuple[tuple[str, ...], ...] = (
     ("ZREMRANGEBYSCORE", KEY, "0", "1"),
     ("ZSCORE", KEY, "m"),
 )
-ON_A_CLUSTER: tuple[tuple[str, ...], ...] = (("CLUSTER", "SLOTS"),)
+# (redis-py's cluster client reads the topology, and the commands' key positions as it starts.)
+ON_A_CLUSTER: tuple[tuple[str, ...], ...] = (("CLUSTER", "SLOTS"), ("COMMAND",))
 _SUBCOMMANDS = frozenset({"SCRIPT", "XINFO", "CLUSTER"})
 
 # ARGV: the checks one after the other, each as its number of words then its words. The reply:
