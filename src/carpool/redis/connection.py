@@ -574,10 +574,13 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
         try:
             with unavailable("read the server's mode"):
                 info = await client.info("cluster")
-        except StoreUnavailable:
+        except StoreUnavailable as error:
             # INFO refused (an ACL user with ``-@dangerous``, the usual one on a Redis shared
-            # with other services), or Redis down: HELLO, which such a user may send, says
-            # the mode and the version (no memory policy: not checked).
+            # with other services): HELLO, which such a user may send, says the mode and the
+            # version (no memory policy: not checked). Not asked of a Redis down (its wait
+            # twice over, for nothing).
+            if not _refused(error):
+                return None
             hello = await _hello(client)
             if hello is None:
                 return None
@@ -606,6 +609,14 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     if problem is not None:
         log.warning("%s", problem)
     return "cluster" if str(info.get("cluster_enabled", 0)) == "1" else "standalone"
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether ``error`` (a ``StoreUnavailable``) is Redis refusing the command to this user
+    (``NOPERM``: its ACL), an answer."""
+    from redis.exceptions import NoPermissionError
+
+    return isinstance(error.__cause__, NoPermissionError)
 
 
 async def _hello(client: Any) -> dict[str, Any] | None:
