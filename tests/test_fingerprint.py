@@ -372,6 +372,19 @@ def test_stop_sequences_and_choice_constraints_are_exact_not_nfc():
     )
 
 
+def test_a_messages_request_with_an_origin_is_keyed_apart_from_one_without():
+    # Anthropic answers a request carrying Origin (a browser's) without its opt-in header a 401
+    # ("CORS requests must set 'anthropic-dangerous-direct-browser-access' header"): neutral,
+    # Origin let one be served another's 200, and a server-side request joining its call got
+    # its 401. Its presence is in a Messages key, not its value; elsewhere it stays neutral.
+    body = {**chat(), "max_tokens": 8}
+    plain = key(body, path="/v1/messages")
+    site = key(body, {"origin": "https://a.example"}, path="/v1/messages")
+    assert site != plain
+    assert site == key(body, {"origin": "https://b.example"}, path="/v1/messages")
+    assert key(chat(), {"origin": "https://a.example"}) == key(chat())
+
+
 def test_an_int_and_a_float_in_a_tool_schema_are_two_keys():
     # A chat template renders a tool with tojson, structured outputs write an enum value as
     # given: "minimum": 1 and "minimum": 1.0, [1] and [1.0] are two prompts, two answers.

@@ -469,6 +469,11 @@ def scope(request: Request, config: Config, label: str, tenant: str, namespace: 
         request.kind,
         varying_headers(request.headers, names_of(config.tenant), neutral_of(config.fingerprint)),
     ]
+    if request.kind == "messages" and "origin" in request.headers:
+        # Anthropic refuses a request carrying Origin (a browser's) without its opt-in header
+        # (``anthropic-dangerous-direct-browser-access``, keyed) with a 401: one with an Origin
+        # is not one without. Its presence, not its value (a neutral header elsewhere).
+        scoped.append("origin")
     if controls.tags and label != "request":
         # An answer is stored with its request's tags, to be dropped by invalidating any of
         # them: a request tagged otherwise reading it (or joining its call) would keep serving
