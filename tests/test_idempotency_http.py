@@ -875,3 +875,35 @@ async def test_an_invalidation_leaves_the_idempotency_records_so_a_retry_replays
         assert retry.content == first.content and fake.count() == 1
         unkeyed = await gw.chat("what is new?")
         assert unkeyed.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+async def test_a_keyed_lists_usage_is_the_sum_of_its_items_own_or_missing_as_theirs_was(gw, fake):
+    """A keyed list is answered item by item, then merged: the items' usage was summed at its
+    top level only, so the engine's ``*_details`` (cached and reasoning tokens) were dropped,
+    and items without usage made up a ``"usage": {}`` (no ``x-carpool-usage: missing``); with
+    some items without it, a part-sum passed for the whole list's figure."""
+    from carpool.request import merge_items
+
+    detailed = {
+        "prompt_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+        "completion_tokens_details": {"reasoning_tokens": 2},
+    }
+    bodies = [{"choices": [{"index": 0}], "usage": detailed} for _ in range(2)]
+    assert merge_items("completion", bodies)["usage"] == {
+        "prompt_tokens": 4,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 4},
+    }
+    part = [{"data": [{}], "usage": {"prompt_tokens": 4, "total_tokens": 4}}, {"data": [{}]}]
+    assert merge_items("embedding", part).get("usage") is None
+    assert "usage" not in merge_items("embedding", [{"data": [{}]}, {"data": [{}]}])
+    # From outside: an engine that reports no usage, a keyed list says it is missing.
+    fake.embeddings_extra = {"usage": None}
+    answer = await gw.client.post(
+        "/v1/embeddings", json={"model": "e", "input": ["x", "y"]}, headers=KEY
+    )
+    assert answer.status_code == 200 and answer.json().get("usage") is None
+    assert answer.headers["x-carpool-usage"] == "missing"

@@ -374,14 +374,18 @@ def merge_items(kind: str, bodies: list[dict[str, Any]], n: int = 1) -> dict[str
     """The response to a list request, from the responses to its items, in order (``n``: the
     choices asked for each prompt, each item's answer holding all of them)."""
     first = bodies[0]
-    usage: dict[str, int] = {}
-    for body in bodies:
-        for name, count in (body.get("usage") or {}).items():
-            if isinstance(count, int):
-                usage[name] = usage.get(name, 0) + count
+    # The items' usage summed, its details too (cached, reasoning tokens); none when an item has
+    # none (its engine reported none: nothing made up, a part-sum is no list's figure).
+    usages = [usage for body in bodies if isinstance(usage := body.get("usage"), dict)]
+    merged: dict[str, Any] = {}
+    if len(usages) == len(bodies):
+        merged["usage"] = _summed(usages)
+    elif any("usage" in body for body in bodies):
+        merged["usage"] = None
+    rest = {key: value for key, value in first.items() if key != "usage"}
     if kind == "embedding":
         data = [{**item, "index": i} for i, body in enumerate(bodies) for item in body["data"]]
-        return {**first, "data": data, "usage": usage}
+        return {**rest, "data": data, **merged}
     # OpenAI numbers the choices of a list prompt prompt by prompt: index = prompt * n + choice.
     choices = []
     for i, body in enumerate(bodies):
@@ -390,4 +394,19 @@ def merge_items(kind: str, bodies: list[dict[str, Any]], n: int = 1) -> dict[str
         choices += [
             {**choice, "index": i * n + choice.get("index", 0)} for choice in body["choices"]
         ]
-    return {**first, "choices": choices, "usage": usage}
+    return {**rest, "choices": choices, **merged}
+
+
+def _summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage objects summed: their integers (not a boolean: an apportioned item's mark), and
+    their objects (``prompt_tokens_details``...) alike, key by key."""
+    out: dict[str, Any] = {}
+    for usage in usages:
+        for name, count in usage.items():
+            if type(count) is int:
+                held = out.get(name)
+                out[name] = (held if type(held) is int else 0) + count
+            elif isinstance(count, dict):
+                held = out.get(name)
+                out[name] = _summed([held, count] if isinstance(held, dict) else [count])
+    return out

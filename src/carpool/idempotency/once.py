@@ -80,7 +80,7 @@ from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome, list_outcome
-from ..reply import JSON, NO_STORE, Reply, age_header, error_reply, refusal
+from ..reply import JSON, NO_STORE, USAGE_MISSING, Reply, age_header, error_reply, refusal
 from ..request import ClientRequest, Request, list_input, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
@@ -430,6 +430,8 @@ class AtMostOnce:
             return Reply(
                 stored.status, [*stored.headers, outcome.header], stored.body, outcome=outcome
             )
+        if not isinstance(body.get("usage"), dict):
+            headers.append(USAGE_MISSING)  # (an item's engine reported none: said, as for one)
         return Reply(200, headers, orjson.dumps(body), outcome=outcome)
 
 
@@ -442,7 +444,11 @@ def _streamed(reply: Reply, request: Request) -> Reply:
     sse = replay_as(merged, request.kind, True, request.include_usage)
     if sse is None:  # (a merged answer is complete: it converts)
         return reply
-    kept = [(name, value) for name, value in reply.headers if name != JSON[0]]
+    kept = [
+        header
+        for header in reply.headers
+        if header[0] != JSON[0] and (request.include_usage or header != USAGE_MISSING)
+    ]
     streamed = Reply(sse.status, [*sse.headers, *kept], sse.body, outcome=reply.outcome)
     if not request.include_usage:
         whole = replay_as(merged, request.kind, True, True)
