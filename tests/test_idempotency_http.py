@@ -897,6 +897,10 @@ async def test_a_keyed_lists_usage_is_the_sum_of_its_items_own_or_missing_as_the
         "prompt_tokens_details": {"cached_tokens": 2},
         "completion_tokens_details": {"reasoning_tokens": 4},
     }
+    # A detail some item lacks (or holds as null) is no list's figure either.
+    half = [{"choices": [{"index": 0}], "usage": {**detailed, "prompt_tokens_details": None}}]
+    merged = merge_items("completion", bodies[:1] + half)["usage"]
+    assert merged["prompt_tokens_details"] is None and merged["prompt_tokens"] == 4
     part = [{"data": [{}], "usage": {"prompt_tokens": 4, "total_tokens": 4}}, {"data": [{}]}]
     assert merge_items("embedding", part).get("usage") is None
     assert "usage" not in merge_items("embedding", [{"data": [{}]}, {"data": [{}]}])
@@ -907,3 +911,13 @@ async def test_a_keyed_lists_usage_is_the_sum_of_its_items_own_or_missing_as_the
     )
     assert answer.status_code == 200 and answer.json().get("usage") is None
     assert answer.headers["x-carpool-usage"] == "missing"
+    # A stream of it says so once (its SSE form says its own: it was said twice).
+    fake.completions_extra = {"usage": None}
+    streamed = await gw.client.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": ["a", "b"], "temperature": 0, "stream": True}
+        | {"stream_options": {"include_usage": True}, "max_tokens": 3},
+        headers={"Idempotency-Key": "listed-stream"},
+    )
+    assert streamed.status_code == 200
+    assert streamed.headers.get_list("x-carpool-usage") == ["missing"]

@@ -35,7 +35,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -398,15 +398,16 @@ def merge_items(kind: str, bodies: list[dict[str, Any]], n: int = 1) -> dict[str
 
 
 def _summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
-    """Usage objects summed: their integers (not a boolean: an apportioned item's mark), and
-    their objects (``prompt_tokens_details``...) alike, key by key."""
+    """Usage objects summed key by key: integers (not a boolean), and objects
+    (``prompt_tokens_details``...) alike; a key some item lacks, or holds as null or as
+    anything else, is null (a part-sum is no list's figure)."""
     out: dict[str, Any] = {}
-    for usage in usages:
-        for name, count in usage.items():
-            if type(count) is int:
-                held = out.get(name)
-                out[name] = (held if type(held) is int else 0) + count
-            elif isinstance(count, dict):
-                held = out.get(name)
-                out[name] = _summed([held, count] if isinstance(held, dict) else [count])
+    for name in dict.fromkeys(name for usage in usages for name in usage):
+        values = [usage.get(name) for usage in usages]
+        if all(type(value) is int for value in values):
+            out[name] = sum(values)
+        elif all(isinstance(value, dict) for value in values):
+            out[name] = _summed(cast(list[dict[str, Any]], values))
+        else:
+            out[name] = None
     return out

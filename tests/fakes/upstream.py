@@ -173,7 +173,8 @@ Controls (plain attributes; set them before or during a test; ``reset()`` restor
   its new words (``[]`` for none), the prompt's once (chat: top-level, on the first chunk; a
   completion: on each choice's first chunk).
 - ``embeddings_extra: dict``: top-level fields added to every embeddings answer (an ``error``
-  beside its ``data``, say).
+  beside its ``data``, say); ``completions_extra``: to every whole completions answer
+  (``{"usage": None}``: an engine that reports none).
 - ``responses_output: list | None``: the ``output`` items of every whole Responses answer (a
   reasoning model's items, logprobs...) in place of the one message; a stream asked of it is a
   400 (it streams only its own message).
@@ -403,6 +404,7 @@ class FakeUpstream:
         self.names_after_request_id: bool = False
         self.chat_extra: dict[str, Any] = {}
         self.embeddings_extra: dict[str, Any] = {}
+        self.completions_extra: dict[str, Any] = {}
         self.message_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
         self.responses_output: list[dict[str, Any]] | None = None
         self.message_content: list[dict[str, Any]] | None = None
@@ -1012,6 +1014,7 @@ class FakeUpstream:
                 ],
                 "usage": usage,
                 "system_fingerprint": "fp_fake",
+                **self.completions_extra,
             },
         )
 

@@ -444,11 +444,8 @@ def _streamed(reply: Reply, request: Request) -> Reply:
     sse = replay_as(merged, request.kind, True, request.include_usage)
     if sse is None:  # (a merged answer is complete: it converts)
         return reply
-    kept = [
-        header
-        for header in reply.headers
-        if header[0] != JSON[0] and (request.include_usage or header != USAGE_MISSING)
-    ]
+    # (What the stream says of its usage, its own: ``replay_as`` wrote it.)
+    kept = [header for header in reply.headers if header[0] not in (JSON[0], USAGE_MISSING[0])]
     streamed = Reply(sse.status, [*sse.headers, *kept], sse.body, outcome=reply.outcome)
     if not request.include_usage:
         whole = replay_as(merged, request.kind, True, True)
