@@ -921,3 +921,24 @@ async def test_a_keyed_lists_usage_is_the_sum_of_its_items_own_or_missing_as_the
     )
     assert streamed.status_code == 200
     assert streamed.headers.get_list("x-carpool-usage") == ["missing"]
+
+
+async def test_a_keyed_lists_answer_keeps_when_to_retry_and_the_upstreams_no_store(gw, fake):
+    """A keyed list is answered item by item: an item's 429 lost the upstream's Retry-After
+    (the SDKs then backed off blindly), and an answer the upstream said no cache may store lost
+    its ``Cache-Control: no-store``, first and replayed, where a request alone keeps both."""
+    retry = [(b"retry-after", b"7"), (b"retry-after-ms", b"7000"), (b"x-should-retry", b"true")]
+    body = {"model": "m", "prompt": ["a", "b"], "temperature": 0}
+    fake.fail_status, fake.response_headers = 429, retry
+    refused = await gw.client.post(
+        "/v1/completions", json=body, headers={"Idempotency-Key": "rated"}
+    )
+    assert refused.status_code == 429
+    assert [refused.headers.get(name.decode()) for name, _ in retry] == ["7", "7000", "true"]
+    fake.fail_status, fake.response_headers = None, [(b"cache-control", b"no-store")]
+    kept = {"Idempotency-Key": "not-stored"}
+    first = await gw.client.post("/v1/completions", json=body, headers=kept)
+    again = await gw.client.post("/v1/completions", json=body, headers=kept)
+    assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
+    assert "no-store" in first.headers["cache-control"]
+    assert "no-store" in again.headers["cache-control"]

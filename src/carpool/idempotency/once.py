@@ -75,7 +75,7 @@ from ..answer import Answer
 from ..canonical import names_of
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
-from ..errors import CarpoolError, RequestError, UpstreamError
+from ..errors import RETRY_HEADERS, CarpoolError, RequestError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
@@ -402,7 +402,10 @@ class AtMostOnce:
                 # A 200 that is not an answer (an error body, no data, not JSON) fails the list
                 # as the upstream's failure, never as the gateway's crash in merge_items.
                 return _item_failed(i), outcome, age
-            return stored, outcome, age
+            # The list's answer, with what the upstream said of when to retry (a 429's
+            # Retry-After: the SDKs back off by it), as a request alone is answered; not kept.
+            retry = [(name, value) for name, value in reply.headers if name.lower() in _RETRY]
+            return replace(stored, headers=[*stored.headers, *retry]), outcome, age
 
         results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
         kind = items[0].kind
@@ -413,6 +416,8 @@ class AtMostOnce:
                 )
         outcome = list_outcome({outcome for _, outcome, _ in results})
         headers = [JSON, outcome.header]
+        if any(NO_STORE in stored.headers for stored, _, _ in results):
+            headers.append(NO_STORE)  # (an item the upstream said no cache may store: the list)
         ages = [age for _, _, age in results if age is not None]
         if outcome is Outcome.HIT and ages:
             headers.append(age_header(max(ages)))  # (the oldest answer in it)
@@ -471,6 +476,7 @@ def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
 
 
 _REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
+_RETRY = frozenset(name.encode() for name in RETRY_HEADERS)
 # A replayed 5xx (the engine's failure, final: ``is_final``) is what every retry with its key
 # gets: the SDKs, which retry a 5xx on their own, are told not to spend their retries on it.
 _NOT_RETRIED = (b"x-should-retry", b"false")
