@@ -549,6 +549,7 @@ class LeaderLost(UpstreamStreamBroken):
 # says of the account (``x-ratelimit-*``): under a key the gateway holds, or a namespace shared
 # across tenants, that is another's quota.
 RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+RETRY_FIELDS = frozenset(name.encode("ascii") for name in RETRY_HEADERS)  # (as raw header names)
 
 
 def retry_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

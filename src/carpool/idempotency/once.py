@@ -75,7 +75,7 @@ from ..answer import Answer
 from ..canonical import names_of
 from ..clock import SYSTEM_CLOCK, Clock
 from ..config import Config
-from ..errors import RETRY_HEADERS, CarpoolError, RequestError, UpstreamError
+from ..errors import RETRY_FIELDS, CarpoolError, RequestError, UpstreamError
 from ..fingerprint import Fingerprint, fingerprint, request_digest
 from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
@@ -404,7 +404,7 @@ class AtMostOnce:
                 return _item_failed(i), outcome, age
             # The list's answer, with what the upstream said of when to retry (a 429's
             # Retry-After: the SDKs back off by it), as a request alone is answered; not kept.
-            retry = [(name, value) for name, value in reply.headers if name.lower() in _RETRY]
+            retry = [(name, value) for name, value in reply.headers if name.lower() in RETRY_FIELDS]
             return replace(stored, headers=[*stored.headers, *retry]), outcome, age
 
         results = await asyncio.gather(*(item(i, request) for i, request in enumerate(items)))
@@ -476,7 +476,6 @@ def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
 
 
 _REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
-_RETRY = frozenset(name.encode() for name in RETRY_HEADERS)
 # A replayed 5xx (the engine's failure, final: ``is_final``) is what every retry with its key
 # gets: the SDKs, which retry a 5xx on their own, are told not to spend their retries on it.
 _NOT_RETRIED = (b"x-should-retry", b"false")

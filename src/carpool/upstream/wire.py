@@ -69,7 +69,7 @@ Contract:
   an endless head would otherwise grow the gateway's memory without bound until the answer's
   timeout (below). A chunked body's trailer fields count so too, once each is whole. Of its
   fields, an ``Answer`` keeps its content type, what it says of when to retry
-  (``RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
+  (``errors.RETRY_FIELDS``, names lower-case, values as they came) and its ``Cache-Control``
   (``cache_control``: every line of it, joined by ", " as RFC 9110 5.3 allows; "" for none;
   a whole answer that says ``no-store`` or ``private`` is never stored, ``Answer.storable``;
   a stream's is not read, an SSE server's default of the live feed) and its
@@ -128,7 +128,7 @@ from collections.abc import AsyncIterator, Mapping
 import httptools
 
 from .. import http_syntax
-from ..errors import RETRY_HEADERS
+from ..errors import RETRY_FIELDS
 from .proxy import Proxy
 
 monotonic = time.monotonic  # the idle clock (a test moves it)
@@ -699,9 +699,6 @@ class _Pieces:
 # own default for a request's (``limits.max_header_bytes``); Go's client takes 1 MiB, engines
 # send well under 1 KiB.
 MAX_HEAD = 64 * 1024
-# The fields of an answer's head kept beside its content type: when to retry a refused call
-# (``errors.RETRY_HEADERS``, relayed to the client), as the parser reports them.
-RETRY_FIELDS = frozenset(name.encode("ascii") for name in RETRY_HEADERS)
 
 
 class _Tunnel(asyncio.Protocol):
