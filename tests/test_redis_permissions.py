@@ -123,3 +123,16 @@ async def test_a_user_that_may_not_run_info_still_has_its_servers_mode_read(targ
 
     url = with_user(request.getfixturevalue(target), RECOMMENDED)
     assert await server_mode(url) == mode
+
+
+@pytest.mark.parametrize("target", ["redis_server", "redis_cluster"])
+def test_a_wrong_redis_password_is_refused_at_start_naming_the_credentials(target, request):
+    """Redis answered, refusing the user and password (``WRONGPASS``): taken for a Redis that
+    does not answer, the instance started on its own memory, trying again for ever (every
+    keyed retry on another instance ran twice) with a warning that said nothing of the
+    password. A verdict, as a refused command is: exit 2, the password never said."""
+    server = request.getfixturevalue(target)
+    url = with_user(server, RECOMMENDED).replace("tenant:pw@", "tenant:wrong-secret@")
+    result = serve_refused(url)
+    assert result.returncode == 2, result.stderr
+    assert "password" in result.stderr and "wrong-secret" not in result.stderr, result.stderr

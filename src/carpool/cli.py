@@ -189,7 +189,8 @@ def serve(
             mode = asyncio.run(server_mode(config.redis))
         except ImportError as error:
             missing_extra("--redis", "redis", error)
-        except ValueError as error:  # a URL redis-py cannot read, a server older than 7.0
+        except ValueError as error:  # a URL redis-py cannot read, a server older than 7.0,
+            # a user and password it refused
             click.echo(
                 f"carpool: --redis: {error}".replace(
                     config.redis, without_credentials(config.redis)

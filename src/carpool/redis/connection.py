@@ -565,7 +565,8 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
     for the keys of the other masters: the instance would flip between up and degraded and
     run every flight alone, so ``carpool serve`` turns ``distributed.cluster`` on instead.
 
-    It raises ``ValueError`` for a server older than Redis 7.0 (:func:`version_problem`), and
+    It raises ``ValueError`` for a server older than Redis 7.0 (:func:`version_problem`) or one
+    that refused the URL's user and password (an answer: waiting would never share), and
     reads the server's ``maxmemory-policy`` (``INFO memory``; a server that refuses it is not
     checked): a warning in the log when it is an eviction policy (:func:`eviction_problem`).
     An ACL user that may not run INFO has the mode and the version read from ``HELLO``."""
@@ -579,6 +580,11 @@ async def server_mode(url: str, *, timeout: float = CONNECT_TIMEOUT * 4) -> str 
             # with other services): HELLO, which such a user may send, says the mode and the
             # version (no memory policy: not checked). Not asked of a Redis down (its wait
             # twice over, for nothing).
+            if _credentials_refused(error):
+                raise ValueError(
+                    "Redis refused this user and password (check them in the URL): "
+                    f"{error.__cause__}"
+                ) from error
             if not _refused(error):
                 return None
             hello = await _hello(client)
@@ -617,6 +623,15 @@ def _refused(error: BaseException) -> bool:
     from redis.exceptions import NoPermissionError
 
     return isinstance(error.__cause__, NoPermissionError)
+
+
+def _credentials_refused(error: BaseException) -> bool:
+    """Whether ``error`` (a ``StoreUnavailable``) is Redis refusing this client's user and
+    password (``WRONGPASS``, or ``NOAUTH``: none given where one is needed), an answer that no
+    wait mends."""
+    from redis.exceptions import AuthenticationError
+
+    return isinstance(error.__cause__, AuthenticationError)
 
 
 async def _hello(client: Any) -> dict[str, Any] | None:
