@@ -1536,6 +1536,16 @@ FUNCTION_OUTPUT_NAMING_A_FILE = [
 ]
 
 
+HI = {"role": "user", "content": "hi"}
+REASONING_BY_ID = {"type": "reasoning", "id": "rs_x", "summary": []}
+MESSAGE_WITH_ITS_ID = {
+    "type": "message",
+    "id": "msg_x",
+    "role": "assistant",
+    "content": [{"type": "output_text", "text": "hello"}],
+}
+
+
 @pytest.mark.parametrize(
     "path, body",
     [
@@ -1573,6 +1583,12 @@ FUNCTION_OUTPUT_NAMING_A_FILE = [
         (RESPONSES, body_of("responses", store=False, input=FUNCTION_OUTPUT_NAMING_A_FILE)),
         (RESPONSES, body_of("responses", store=False, input=SCREENSHOT_NAMING_A_FILE)),
         (MESSAGES, body_of("messages", messages=CONTENT_DOCUMENT_NAMING_A_FILE)),
+        # An item by its id alone (``ItemReference.type`` is optional), a reasoning item
+        # without its encrypted content (read from the account's store), and an output item
+        # sent back with its id (looked up too: "Item with id ... not found" for another's).
+        (RESPONSES, body_of("responses", store=False, input=[{"id": "msg_x"}, HI])),
+        (RESPONSES, body_of("responses", store=False, input=[REASONING_BY_ID, HI])),
+        (RESPONSES, body_of("responses", store=False, input=[MESSAGE_WITH_ITS_ID, HI])),
     ],
 )
 async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tenants(

@@ -140,12 +140,21 @@ class ResponsesApi(TypedApi):
         # encrypted for the organization that made it, which alone the upstream decrypts when
         # the next turn sends it (OpenAI: ``invalid_encrypted_content`` for another's); an
         # input item carrying one (``names_tenant_state``) is that organization's to send.
+        # An input item with an ``id`` is looked up in the account's store: one by its id
+        # alone (``item_reference``'s ``type`` is optional), a reasoning item without its
+        # encrypted content, and an output item sent back with its id alike (another
+        # account's: "Item with id ... not found").
         include = body.get("include")
+        items = body.get("input")
         return (
             body.get("store") is not False
             or isinstance(body.get("prompt"), dict)
             or (isinstance(include, list) and "reasoning.encrypted_content" in include)
             or body.get("context_management") is not None
+            or (
+                isinstance(items, list)
+                and any(isinstance(item, dict) and item.get("id") is not None for item in items)
+            )
             or names_tenant_state(body)
         )
 
