@@ -823,6 +823,49 @@ async def _first_gone_while_a_retry_waits(
     return retry
 
 
+@pytest.mark.parametrize("records", ["memory", "redis"])
+@pytest.mark.parametrize(
+    "asked",
+    [
+        pytest.param({"temperature": 0}, id="coalesced"),
+        pytest.param({"temperature": 0.9}, id="sampled"),
+        pytest.param({"temperature": 0.9, "stream": True}, id="sampled stream, gone part-way"),
+    ],
+)
+async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_and_replayed(
+    fake, records, asked, request
+):
+    """``coalesce.finish_abandoned`` keeps a run whose client left going (docs/idempotency.md:
+    the remedy where a retry cannot keep it, on another worker or instance): only a flight's
+    call was, so a sampled keyed request was cancelled with its client, and its retry made a
+    second, different generation; a shared one's record was dropped (its retry not replayed)."""
+    config = {"coalesce": {"finish_abandoned": True}, **idempotency_settings(records, request)}
+    streamed = asked.get("stream", False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
+    async with _served(fake, **config) as (served, gateway, client):
+        gate = asyncio.Event()
+        if streamed:
+            fake.chunk_gate = gate  # (its head and first words sent, then the rest held)
+        else:
+            fake.gate = gate
+        writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
+        writer.transport.abort()  # (the first client's connection drops; no retry waits)
+        await eventually(
+            lambda: first not in served.server.server_state.connections, what="the first gone"
+        )
+        gate.set()
+        await eventually(lambda: fake.completed + fake.cancelled == 1, what="the first run's end")
+        await eventually(lambda: _runs(gateway) == 0, what="its record settled")
+        retry = await client.post(CHAT, json=body, headers=KEY)
+    assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
+    assert (fake.count(), fake.cancelled) == (1, 0)
+
+
+def _runs(gateway: Gateway) -> int:
+    """The keyed runs begun here whose record is not settled yet."""
+    return len(gateway.once._runs)
+
+
 async def test_once_the_waiting_retry_leaves_too_the_first_run_is_cancelled(fake):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     async with _served(fake, idempotency={"on_conflict": "wait"}) as (served, gateway, client):

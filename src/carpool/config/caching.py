@@ -182,7 +182,8 @@ class CoalesceConfig(Section):
     finish_abandoned: bool = Field(
         False,
         description="Finish an upstream call whose clients all "
-        "left, to fill the cache, instead of cancelling it.",
+        "left, to fill the cache, instead of cancelling it; and a request with an "
+        "Idempotency-Key whose client left, its answer kept for a retry.",
     )
 
     @model_validator(mode="after")

@@ -13,9 +13,10 @@ Contract:
   request's ``ClientRequest.keep``): the first client leaving (the usual reason for the retry)
   no longer cancels it, so the key is generated once and the retry gets that answer. Once no
   retry waits on it any more (each answered, timed out or gone), a run whose client left is
-  cancelled as before (its call, with the flight's last client, unless
-  ``coalesce.finish_abandoned``), and its record dropped. A run in another instance (Redis
-  records) is not kept from here.
+  cancelled as before (its call, with the flight's last client), and its record dropped. A run
+  in another instance (Redis records) is not kept from here. With
+  ``coalesce.finish_abandoned`` every run is kept going until its record settles, its client
+  there or not (its answer kept, written to no one): a retry anywhere, later, replays it.
 - A request whose record cannot be read although the shared records answer (every connection
   busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
   without its record could run the key twice.
@@ -142,6 +143,7 @@ class AtMostOnce:
         self.answer = answer
         self.clock = clock  # (wall-clock: when answers were made, and replays' ages)
         self._join_timeout = config.coalesce.join_timeout_ms / 1000
+        self._finish_abandoned = config.coalesce.finish_abandoned
         # The keys whose run began here and whose record is not settled yet, with the request
         # that runs it: what a retry waiting on the key keeps going (``_Keeping``).
         self._runs: dict[str, ClientRequest] = {}
@@ -228,7 +230,12 @@ class AtMostOnce:
         token = begin.token
         assert token is not None
         self._runs[scoped] = client  # (until its record settles: ``_settled``)
-        settled = partial(self._settled, scoped, client)
+        # ``finish_abandoned`` finishes a run whose client left (module doc): a flight's call
+        # would be, but not this request, cancelled with its client, its record dropped (a
+        # sampled one's call with it: its retry, on another worker or instance, a second
+        # generation).
+        let_go = client.keep() if self._finish_abandoned and client.keep is not None else None
+        settled = partial(self._settled, scoped, client, let_go)
         try:
             reply = await self._run(client, request, key, route, scoped, token, settled)
         except BaseException:
@@ -238,10 +245,15 @@ class AtMostOnce:
             settled()
         return reply
 
-    def _settled(self, scoped: str, client: ClientRequest) -> None:
-        """The record of ``client``'s run of ``scoped`` is settled: no retry keeps it now."""
+    def _settled(
+        self, scoped: str, client: ClientRequest, let_go: Callable[[], None] | None
+    ) -> None:
+        """The record of ``client``'s run of ``scoped`` is settled: no retry keeps it now, nor
+        ``finish_abandoned`` (``let_go``)."""
         if self._runs.get(scoped) is client:  # (not a run begun since, by a retry)
             del self._runs[scoped]
+        if let_go is not None:
+            let_go()
 
     async def _run(
         self,
