@@ -162,3 +162,26 @@ async def test_a_whole_answer_cut_short_is_a_502_for_a_bypass_as_for_a_miss(
     assert orjson.loads(response.content)["error"]["message"] == (
         "the upstream answered with a body that is not JSON"
     )
+    # (The engine took the call and answered: an SDK's retry would run it again, its three
+    # tries three generations.)
+    assert response.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize("temperature", [None, 0], ids=["bypass", "miss"])
+@pytest.mark.parametrize(
+    "body",
+    [b"[]", b'data: {"choices": []}\n\n'],
+    ids=["an array", "a stream to a call that asked for none"],
+)
+async def test_a_2xx_body_that_is_no_json_object_is_a_502_the_sdks_do_not_retry(
+    temperature: float | None, body: bytes
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    async with raw_upstream(lambda call: answer) as up, run_gateway([up.url]) as gw:
+        asked = dict(CHAT)
+        if temperature is None:
+            del asked["temperature"]  # (sampled: shares nothing)
+        response = await gw.client.post("/v1/chat/completions", json=asked)
+        calls = len(up.calls)
+    assert response.status_code == 502 and calls == 1
+    assert response.headers["x-should-retry"] == "false"

@@ -426,6 +426,17 @@ class UpstreamRedirected(UpstreamError):
     code = "upstream_redirect"
 
 
+class UpstreamAnswerUnreadable(UpstreamError):
+    """A whole 2xx answer whose body is no JSON object: not JSON (a close-delimited body its
+    server dropped midway, an SSE stream to a call that asked for none) or another value (an
+    array). The engine took the call and answered, so an SDK's retry would run it again (its
+    three tries, three generations): ``x-should-retry: false``, as for an answer cut short."""
+
+    status = 502
+    code = "upstream_answer_unreadable"
+    also = _NOT_RETRIED
+
+
 class UpstreamBadStatus(UpstreamError):
     """A final status no answer can have: a 1xx taken as final (101 Switching Protocols, to a
     call that asked for no upgrade), or one HTTP does not define (600-999: the parser reads any

@@ -84,6 +84,7 @@ from .chunks import MALFORMED_CHUNK
 from .errors import (
     CarpoolError,
     LeaderLost,
+    UpstreamAnswerUnreadable,
     UpstreamBadStatus,
     UpstreamError,
     UpstreamRedirected,
@@ -655,14 +656,15 @@ def _complete(
 
 
 def _parsed(raw: bytes) -> dict[str, Any]:
-    """A whole 2xx body as the JSON object every answer is; ``UpstreamError`` (a 502) when it
-    is not JSON (``NOT_JSON``) or not an object (``NOT_OBJECT``)."""
+    """A whole 2xx body as the JSON object every answer is; ``UpstreamAnswerUnreadable`` (a
+    502 the SDKs do not retry) when it is not JSON (``NOT_JSON``) or not an object
+    (``NOT_OBJECT``)."""
     try:
         parsed = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise UpstreamError(NOT_JSON) from None
+        raise UpstreamAnswerUnreadable(NOT_JSON) from None
     if not isinstance(parsed, dict):
-        raise UpstreamError(NOT_OBJECT)
+        raise UpstreamAnswerUnreadable(NOT_OBJECT)
     return parsed
 
 
