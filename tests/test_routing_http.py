@@ -480,7 +480,7 @@ async def test_a_stream_silent_after_its_head_leaves_its_replica_out_when_the_re
 
 
 @pytest.mark.parametrize("status", [302, 307, 101, 999])
-async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_failed_over_and_left_out(
+async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_failed_over_left_out_and_counted(
     fake, status
 ):
     # Each such answer is the gateway's 502; counted as the replica answering, a replica behind
@@ -498,6 +498,9 @@ async def test_a_replica_answering_a_redirect_or_a_status_no_client_can_read_is_
         assert len(bad.calls) == 1  # tried once, failed over, then left out
         health = (await gw.client.get("/healthz")).json()
         assert health["replicas"]["replica-0"]["state"] == "down"  # (the first: ``bad``)
+        # A failed attempt, counted as one (``upstream_errors`` counted 4xx and 5xx only).
+        stats = (await gw.client.get("/stats")).json()
+        assert (stats["upstream_calls"], stats["upstream_errors"]) == (9, 1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -179,7 +179,9 @@ class Stats:
     def observe_attempt(self, replica: Any, status: int, decision: Any) -> None:
         """Every attempt on a replica (failed-over ones too), for /stats and /metrics."""
         self.upstream_status[(replica.name, str(status))] += 1
-        if status >= 400:
+        # (A redirect, a 1xx taken as final, a status past 599 failed too: the client's 502.
+        # A 304 is a pass-through conditional GET's answer.)
+        if not (200 <= status < 300 or status == 304):
             self.upstream_errors += 1
 
     def snapshot(self) -> dict[str, Any]:
