@@ -767,6 +767,27 @@ async def test_equal_shares_evict_another_tenants_record_before_the_one_just_put
     assert records.evictions == 1
 
 
+async def test_a_quiet_newcomers_larger_record_is_kept_and_the_oldest_goes(caplog) -> None:
+    """A tenant's first record, larger than the others' (each under its share of the bytes):
+    the newcomer held the largest share, so its oldest record, the one just put, was evicted
+    (a plain LRU drops the oldest of all; its retry ran the generation again), and said to be
+    larger than ``max_bytes`` on its own, which it was not."""
+    caplog.set_level(logging.WARNING, logger="carpool.idempotency")
+    one = await counted(OK, "t0\nk")
+    big = StoredResponse(200, [], OK.body * 4)
+    size = await counted(big, "new\nk")
+    assert size > one + 2
+    # (Every tenant under its share, 11 of them, the newcomer's record past the bound.)
+    records = MemoryIdempotencyRecords(60, max_records=100, max_bytes=11 * one + (size - one) // 2)
+    for n in range(10):
+        await records.finish(f"t{n}\nk", await begin_new(records, f"t{n}\nk"), OK)
+    assert await records.finish("new\nk", await begin_new(records, "new\nk"), big) is True
+    assert (await records.begin("new\nk", FP)).state == "done"
+    assert (await records.begin("t0\nk", FP)).state == "new"  # the oldest of all went
+    assert (await records.begin("t1\nk", FP)).state == "done"
+    assert not [r for r in caplog.records if "larger than" in r.getMessage()]
+
+
 async def test_a_running_record_is_never_evicted_by_the_bounds() -> None:
     """The bounds evict finished records only: a record being processed stayed in the same
     bounded list, kept its place there and was the first to go (its retry ran the generation

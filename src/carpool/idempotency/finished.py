@@ -12,7 +12,8 @@ Contract:
   record judged without it): then the oldest record of
   the tenant holding the largest share goes (share: the larger of its records over
   ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant that gained a
-  record least recently). So one tenant finishing records faster than the others evicts its
+  record least recently), but never the record just put (a tenant's first, larger than the
+  others': the oldest of all goes then, as in a plain LRU). So one tenant finishing records faster than the others evicts its
   own, never a quiet tenant's (a retry of theirs would run its generation again); and many
   tenants of a record each (keys a client without ``auth.client_keys_file`` can make up) are
   each at their share, so no tenant is evicted sooner than a plain LRU would evict it. A
@@ -198,7 +199,10 @@ class Finished(Generic[V]):
             if largest != name:
                 oldest_of_largest = self._tenants[largest].oldest
                 assert oldest_of_largest is not None  # (a tenant with no record is not held)
-                return oldest_of_largest
+                # Never the record just put (the putter's only one, larger than the others):
+                # kept no longer than its put, its retry would run again; a plain LRU keeps it.
+                if oldest_of_largest is not self._last:
+                    return oldest_of_largest
         return oldest
 
     def _gone(self, node: _Node[V]) -> None:
