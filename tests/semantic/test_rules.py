@@ -1187,3 +1187,35 @@ def test_every_stop_word_is_one_word_as_the_rules_read_a_text():
     for word in text.STOP:
         assert text.lower_words(word) == (word,), word
     assert "please" in text.STOP
+
+
+# A memo keyed by one word or character (a bounded vocabulary), not by a text.
+_WORD_KEYED = {"polarity._forms"}
+
+
+def test_every_memo_of_what_a_rule_read_of_a_text_is_bounded_by_memo():
+    """Each rule memoises what it read of a text (its words, numbers, names...), up to
+    ``guard.READ_CHARS`` characters: with 8,192 texts a memo, prompts of 4,000 characters held
+    over 1 GB (1,000 of them: +600 MB), counted in no budget, shown nowhere."""
+    import importlib
+    import pkgutil
+
+    import carpool.semantic.rules as package
+
+    memos = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if hasattr(value, "cache_info") and value.__module__ == module.__name__:
+                memos[f"{info.name}.{name}"] = value.cache_info().maxsize
+    assert "text.words" in memos and "order._swapped" in memos
+    too_large = {
+        name: size
+        for name, size in memos.items()
+        if name not in _WORD_KEYED and (size is None or size > text.MEMO)
+    }
+    assert not too_large
+    # (And they fill no further: more texts than that read, each memo at its bound.)
+    for n in range(2 * text.MEMO):
+        refusal(f"How tall is tower number {n}?", "How tall is the tower?")
+    assert text.words.cache_info().currsize == text.MEMO

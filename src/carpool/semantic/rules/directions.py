@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re
 
-from .text import STOP, lower_words, norm
+from .text import MEMO, STOP, lower_words, norm
 
 #: Verbs whose object goes somewhere: "convert X to Y", "migrate X into Y" (-s, -ed, -ing read).
 DIRECTED = frozenset(
@@ -90,7 +90,7 @@ def _verb(word: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=MEMO)
 def _directions(text: str) -> frozenset[tuple[tuple[str, ...], tuple[str, ...]]]:
     """The (source, target) pairs of phrases that ``text`` names a direction between."""
     found = set()

@@ -19,7 +19,7 @@ import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import lower_words, norm, plain
+from .text import MEMO, lower_words, norm, plain
 
 COMMON = frozenset(
     {
@@ -61,7 +61,7 @@ def _inside(text: str) -> list[re.Match[str]]:
     return inside
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=MEMO)
 def _names(text: str) -> frozenset[str]:
     text = norm(text)
     inside = _inside(text)

@@ -20,7 +20,7 @@ import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import norm
+from .text import MEMO, norm
 
 _TOKEN = re.compile(
     # e-mail: a local part of at most 64 characters (RFC 5321), else every letter of "a+a+..."
@@ -54,7 +54,7 @@ def _is_identifier(token: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=MEMO)
 def _read(text: str) -> tuple[frozenset[str], frozenset[str]]:
     """(identifiers, every token) of ``text``, lower-cased."""
     tokens = [m.group().rstrip(".,;:!?") for m in _TOKEN.finditer(norm(text))]

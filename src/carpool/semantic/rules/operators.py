@@ -29,7 +29,7 @@ import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import norm
+from .text import MEMO, norm
 
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
@@ -75,7 +75,7 @@ _GROUP = re.compile(r"\([^()]*\)")
 _PROSE = re.compile(r"!+(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=MEMO)
 def _operators(text: str) -> tuple[str, ...]:
     text = norm(text)
     found: list[tuple[int, str]] = []

@@ -24,7 +24,7 @@ import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
-from .text import norm
+from .text import MEMO, norm
 
 #: Nouns that name someone by their relation to someone else.
 RELATIVES = frozenset(
@@ -100,7 +100,7 @@ def _name_ends(written: list[str]) -> list[int]:
     return ends
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=MEMO)
 def _read(text: str) -> tuple[Counter[tuple[str, str]], Counter[str], bool]:
     """The links (owner, relative), the relatives named, and whether a possessive owns one."""
     written = _WORD.findall(norm(text))

@@ -33,7 +33,7 @@ import functools
 import os.path
 
 from ..verdict import Reason, Rule
-from .text import lower_words
+from .text import MEMO, lower_words
 
 #: Words that frame a question rather than name what it asks about, and generic nouns and
 #: light verbs ("way", "thing", "make") that a rewording swaps freely.
@@ -81,7 +81,7 @@ def _one_edit(short: str, long: str, i: int) -> bool:
     return len(long) == len(short) + 1 and short[i:] == long[i + 1 :]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=MEMO)
 def _substituted(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     if len(a) != len(b):
         return False

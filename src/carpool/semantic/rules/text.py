@@ -19,13 +19,20 @@ whether if than then so as not no please""".split()
 )
 
 
+#: How many texts (or pairs) each rule's memo keeps: what lookups in a row reuse (a query and
+#: its ``semantic.candidates``, the popular entries' texts again and again). Each holds what the
+#: rule read of a text, up to ``guard.READ_CHARS`` long: at 8,192 the memos held over 1 GB of
+#: 4,000-character prompts, outside every budget; at this size ~30 MB at most of those.
+MEMO = 128
+
+
 def norm(text: str) -> str:
     """NFKC (full-width digits and letters become ASCII), curly quotes made straight."""
     text = unicodedata.normalize("NFKC", text)
     return text.replace("’", "'").replace("‘", "'").replace("“", '"').replace("”", '"')
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=MEMO)
 def words(text: str) -> tuple[str, ...]:
     """The words of ``text`` as written (case kept), in order."""
     return tuple(m.group() for m in _WORD.finditer(norm(text)))
@@ -39,7 +46,7 @@ def plain(word: str) -> str:
     return _POSSESSIVE.sub("", word.lower())
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=MEMO)
 def lower_words(text: str) -> tuple[str, ...]:
     """The words, each :func:`plain` (and without a trailing dot)."""
     return tuple(plain(w.lower().strip(".")) for w in words(text))
