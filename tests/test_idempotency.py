@@ -15,7 +15,7 @@ import orjson
 import pytest
 import redis.asyncio as aredis
 
-from carpool.clock import ManualClock
+from carpool.clock import SYSTEM_CLOCK, ManualClock
 from carpool.config import Config
 from carpool.errors import CarpoolError
 from carpool.idempotency import (
@@ -989,6 +989,41 @@ async def test_a_redis_lease_outlives_a_redis_pause_shorter_than_half_of_it(
         )
         assert (await other.begin("k", FP)).state == "processing"  # never lapsed
         assert await records.finish("k", token, OK) is True
+    finally:
+        await records.aclose()
+        await other.aclose()
+
+
+@pytest.mark.parametrize("killable_redis", ["server"], indirect=True)
+async def test_a_finish_tried_again_after_its_first_try_ran_late_keeps_the_older_made_time(
+    killable_redis: RedisServer,
+) -> None:
+    """A finish sent into a stalled Redis times out here, but its bytes may wait in Redis's
+    buffer and run when it resumes, stamping the answer as made then less the age it said when
+    sent: younger by the whole stall. The finish tried again (same token) says the age as of
+    its own sending, truer: it found the record finished and left the young stamp (a replay on
+    another instance said an age short by the stall). Each try's stamp is kept if older."""
+    import dataclasses
+
+    records = RedisIdempotencyRecords(killable_redis.url, retention=60)
+    other = RedisIdempotencyRecords(killable_redis.url, retention=60)
+    try:
+        token = await begin_new(records)
+        now = SYSTEM_CLOCK.now()
+        late = dataclasses.replace(OK, created=now)  # (the first try, run late: "age 0")
+        assert await records.finish("k", token, late) is True
+        truer = dataclasses.replace(OK, created=now - 30)  # (its retry: "made 30 s ago")
+        finish = records._finish_command(records._finish, records.record_key("k"), token, truer)
+        assert await records._call("finish", finish) == 1
+        began = await other.begin("k", FP)
+        assert began.state == "done" and began.response is not None
+        assert began.response.created is not None and began.response.created < now - 25
+        younger = dataclasses.replace(OK, created=now)  # (a younger stamp never replaces it)
+        finish = records._finish_command(records._finish, records.record_key("k"), token, younger)
+        await records._call("finish", finish)
+        again = await other.begin("k", FP)
+        assert again.response is not None and again.response.created is not None
+        assert again.response.created < now - 25
     finally:
         await records.aclose()
         await other.aclose()

@@ -145,7 +145,18 @@ return {'done', r[1], r[2], r[3], r[4], r[5], r[6], now}
 _FINISHING = """
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[2] ~= ARGV[1] or rec[1] == 'r' then return 0 end
-if rec[1] ~= 'p' then return 1 end               -- finished by this token: a retried call
+if rec[1] ~= 'p' then                            -- finished by this token: a retried call
+  -- (Its first try may have run late, its bytes held by a stalled Redis: stamped younger
+  -- than it was. The older stamp is the truer one.)
+  if ARGV[9] ~= '' then
+    local made = now - tonumber(ARGV[9])
+    local was = tonumber(redis.call('HGET', KEYS[1], 'cr'))
+    if was ~= nil and made < was then
+      redis.call('HSET', KEYS[1], 'cr', string.format('%.0f', made))
+    end
+  end
+  return 1
+end
 redis.call('HSET', KEYS[1], 's', ARGV[2], 'st', ARGV[4], 'h', ARGV[5], 'b', ARGV[6],
            'm', ARGV[7], 'c', ARGV[8])
 if ARGV[9] == '' then
@@ -455,7 +466,8 @@ class RedisIdempotencyRecords:
     ) -> Callable[[], Awaitable[Any]]:
         """The command that finishes ``record_key`` with ``response``: its arguments made as it
         is sent, so that its answer's age is as of then (a finish tried again later is stamped
-        on Redis's clock then, not as young as at its first try)."""
+        on Redis's clock then, not as young as at its first try; and should that first try
+        run late, held by a stalled Redis, the older of their stamps is kept)."""
         return lambda: script([record_key], self._finish_args(token, response))
 
     def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
