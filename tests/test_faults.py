@@ -1516,3 +1516,34 @@ async def test_a_call_this_machine_cannot_open_for_want_of_descriptors_is_a_503_
         await client.aclose()
         gateway.terminate()
         gateway.wait(10)
+
+
+async def test_an_engines_unwrapped_error_object_in_its_stream_fails_it_for_every_client():
+    """An engine's error written as its bare error object mid-stream (``{"object": "error",
+    "message": ...}``: vLLM's ``ErrorResponse``, unwrapped) was relayed as an ordinary chunk,
+    its message to every client of the call; then the stream's end without a finish reason
+    failed it with the gateway's words. It is the engine's error, as a wrapped one is."""
+    from fakes.raw_upstream import answer, chat_completion, raw_upstream
+
+    chunk = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}],
+    }
+    error = {"object": "error", "message": "engine fell over", "type": "InternalError"}
+    body = b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in (chunk, error))
+    sse = answer(200, b"OK", body + b"data: [DONE]\n\n", content_type=b"text/event-stream")
+    whole = answer(200, b"OK", chat_completion("fine"))
+    asked = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    respond = lambda call: sse if call.body.get("stream") else whole  # noqa: E731
+    async with raw_upstream(respond) as up, run_gateway([up.url]) as gw:
+        streamed = await gw.client.post("/v1/chat/completions", json={**asked, "stream": True})
+        again = await gw.client.post("/v1/chat/completions", json={**asked, "stream": True})
+        calls = len(up.calls)
+    for reply in (streamed, again):
+        events = [line for line in reply.text.splitlines() if line.startswith("data: {")]
+        assert orjson.loads(events[-1][6:])["error"]["message"] == "engine fell over"
+        assert not any('"object":"error"' in event for event in events)
+    assert calls == 2  # (nothing stored)

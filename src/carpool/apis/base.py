@@ -164,12 +164,20 @@ class Api:
         obj}`` (OpenAI, vLLM; ``upstream.http`` wraps a payload sent as ``event: error`` so) ->
         obj; a typed error event, ``{"type": "error", "error": obj}`` (Messages, Responses) ->
         obj, or ``{"type": "error", "code", "message", "param"}`` (Responses) -> those as an
-        OpenAI error object."""
+        OpenAI error object; an engine's bare error object, ``{"object": "error", "message",
+        "type", "code"}`` (vLLM's ``ErrorResponse`` unwrapped) -> the same."""
         error = chunk.get("error")
         if error is not None:  # (some servers write every field, ``"error": null`` too)
             if isinstance(error, dict):
                 return self.failure(error) if error.get("type") == "error" else error
             return {"message": str(error), "type": "error", "code": None}
+        if chunk.get("object") == "error":
+            return {
+                "message": chunk.get("message") or "the upstream stream failed",
+                "type": chunk.get("type") or "server_error",
+                "code": chunk.get("code"),
+                "param": chunk.get("param"),
+            }
         if chunk.get("type") == "error":
             return {
                 "message": chunk.get("message") or "the upstream stream failed",
