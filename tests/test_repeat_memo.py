@@ -127,3 +127,31 @@ def test_the_memo_key_leaves_out_the_configured_neutral_headers_as_the_key_does(
     assert memo_key(plain, **{"x-edge-request": "1"}) != memo_key(plain, **{"x-edge-request": "2"})
     # What hosting platforms add to every request is out of every memo key.
     assert memo_key(plain, **{"fly-request-id": "1"}) == memo_key(plain, **{"fly-request-id": "2"})
+
+
+async def test_a_byte_identical_messages_request_with_an_origin_is_not_a_repeat_of_one_without(
+    gw, fake
+):
+    """The scope keeps a Messages request with an ``Origin`` apart from one without (a browser's
+    call Anthropic refuses without its opt-in header: ``canonical.scope``), but the memo key
+    left ``Origin`` out with the neutral headers: a browser's byte-identical repeat of a
+    server's request was served the server's answer (a hit), one spelled otherwise a miss."""
+    body = (
+        b'{"model":"c","max_tokens":8,"temperature":0,"messages":[{"role":"user","content":"hi"}]}'
+    )
+    plain = {"content-type": "application/json"}
+    server = await gw.client.post("/v1/messages", content=body, headers=plain)
+    browser = await gw.client.post(
+        "/v1/messages", content=body, headers={**plain, "origin": "https://example.com"}
+    )
+    assert server.headers["x-carpool"] == "miss"
+    assert browser.headers["x-carpool"] == "miss" and fake.count("/v1/messages") == 2
+    config = Config()
+    memo = RepeatMemo(("authorization",), 1 << 20)
+    requests = [
+        ClientRequest("/v1/messages", body, {}),
+        ClientRequest("/v1/messages", body, {"origin": "https://example.com"}),
+    ]
+    keys = [fingerprint(parse(client, 1 << 20), config).key for client in requests]
+    assert keys[0] != keys[1]
+    assert memo.key_of(requests[0]) != memo.key_of(requests[1])

@@ -4,7 +4,8 @@ Contract:
 - The memo key is every input of ``fingerprint`` that is not configuration: the endpoint, the
   query string, the body's bytes themselves, the value of each header that ``parse_controls``
   and ``requester`` read and the forwarded headers in the key (``varying_headers``; ``neutral``:
-  the configured ``fingerprint.neutral_headers``, left out as the key leaves them). Equal memo
+  the configured ``fingerprint.neutral_headers``, left out as the key leaves them), and whether
+  it carries an ``Origin`` (neutral, but a Messages request's scope marks it). Equal memo
   keys therefore mean equal fingerprints, exactly (no digest of the body, so no collision is
   possible), except for the one input that changes over time, whether the upstream accepts the
   requester: a repeat in a shared namespace carries its requester (``shared_by``) to be
@@ -85,7 +86,9 @@ class RepeatMemo:
         if _UNREMEMBERED & headers.keys() or len(client.body) > self.max_body or not self.max_bytes:
             return None
         return (
-            client.path,
+            # (Whether it carries an ``Origin``, which is neutral but for a Messages request's
+            # scope: ``canonical.scope``. Marked on the path, a string no header sum counts.)
+            client.path if "origin" not in headers else client.path + "\norigin",
             client.body,
             client.query,
             varying_headers(headers, self.tenant_headers, self.neutral),
