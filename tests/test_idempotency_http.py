@@ -985,3 +985,16 @@ async def test_a_keyed_lists_answer_keeps_when_to_retry_and_the_upstreams_no_sto
     assert (first.headers["x-carpool"], again.headers["x-carpool"]) == ("miss", "hit")
     assert "no-store" in first.headers["cache-control"]
     assert "no-store" in again.headers["cache-control"]
+
+
+async def test_an_embeddings_retry_asking_a_stream_is_replayed_as_json(gw, fake):
+    """Embeddings have no stream form (``request.parse``: JSON whatever ``stream`` says), so a
+    retry with ``"stream": true`` is the same request and replays its JSON (docs/idempotency.md
+    once promised a 422 here)."""
+    body = {"model": "e", "input": "x"}
+    first = await gw.client.post("/v1/embeddings", json=body, headers=KEY)
+    retry = await gw.client.post("/v1/embeddings", json={**body, "stream": True}, headers=KEY)
+    assert first.status_code == retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.headers["content-type"].startswith("application/json")
+    assert retry.json() == first.json() and fake.count("/v1/embeddings") == 1

@@ -33,8 +33,9 @@ The format
   stored stream (kept with its usage chunk: ``once``) its frames as they were sent, but the
   usage chunk only for a retry that asks for it, or assembled into the JSON body; a stored
   JSON body as it is, or, complete, synthesized into the API's stream; with ``x-carpool-usage:
-  missing`` where the retry asks for a usage the engine did not report. An error or an
-  embedding is replayed as it is in its own format; in the other, None, and the caller answers
+  missing`` where the retry asks for a usage the engine did not report. An error is replayed
+  as it is in its own format (an embedding's only format is JSON: ``Request.stream`` is False
+  for every embeddings request); in the other, None, and the caller answers
   ``IdempotencyFormatMismatch`` (422): it is never replayed in the other format, and a client
   never gets JSON on a stream or SSE for a non-streaming request.
 """
