@@ -773,6 +773,17 @@ async def _first_then_gone(served: ServedApp, body: dict, fake, *, streamed: boo
     return writer, connection
 
 
+def _answer_held(fake, streamed: bool) -> asyncio.Event:
+    """The fake's answer held until the event is set: a stream's after its head and first
+    words."""
+    gate = asyncio.Event()
+    if streamed:
+        fake.chunk_gate = gate
+    else:
+        fake.gate = gate
+    return gate
+
+
 def _records_waiting(gateway: Gateway) -> int:
     return getattr(gateway.idempotency, "shared", gateway.idempotency).waiters
 
@@ -796,11 +807,7 @@ async def test_a_retry_waiting_on_its_key_keeps_the_first_run_going_when_its_cli
     streamed = asked.get("stream", False)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
     async with _served(fake, **config) as (served, gateway, client):
-        gate = asyncio.Event()
-        if streamed:
-            fake.chunk_gate = gate  # (its head and first words sent, then the rest held)
-        else:
-            fake.gate = gate
+        gate = _answer_held(fake, streamed)
         retry = await _first_gone_while_a_retry_waits(fake, served, gateway, client, body, streamed)
         gate.set()
         answer = await retry
@@ -843,11 +850,7 @@ async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_a
     streamed = asked.get("stream", False)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
     async with _served(fake, **config) as (served, gateway, client):
-        gate = asyncio.Event()
-        if streamed:
-            fake.chunk_gate = gate  # (its head and first words sent, then the rest held)
-        else:
-            fake.gate = gate
+        gate = _answer_held(fake, streamed)
         writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
         writer.transport.abort()  # (the first client's connection drops; no retry waits)
         await eventually(
