@@ -286,6 +286,35 @@ async def test_a_worker_killed_fails_no_request_and_its_successor_takes_its_slot
         assert served.stats[pid]["peers"]["worker"] == before[victim]["peers"]["worker"]
 
 
+async def test_keyed_requests_while_their_owner_is_replaced_run_once_and_replay_after(
+    fake, tmp_path
+):
+    """A key's record lives with the worker owning it. Sent while that worker was dead, its
+    replacement starting, a keyed request ran where it landed and was recorded there; its
+    retries, sent to the replacement once up, found no record there and ran it again. The
+    owner out of reach is waited for (``peers.workers.OWNER_RETURN_S``)."""
+    async with workers(fake.url, tmp_path) as served:
+        before = dict(served.stats)
+        victim = min(before)
+        keys = [f"order-{n}" for n in range(12)]  # (about half of them the victim's)
+
+        def keyed(key: str) -> Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]:
+            return lambda client: client.post(
+                "/v1/chat/completions",
+                json=chat(f"charge {key}"),
+                headers={"Idempotency-Key": key},
+            )
+
+        os.kill(victim, signal.SIGKILL)
+        first = await asyncio.gather(*(served.once(keyed(key)) for key in keys))
+        assert {response.status_code for response, _ in first} == {200}
+        await served.until_serving(2, [0, 1], {victim})
+        retries = [await served.once(keyed(key)) for key in keys for _ in range(2)]
+        assert {response.status_code for response, _ in retries} == {200}
+        assert all(response.headers["idempotent-replayed"] == "true" for response, _ in retries)
+        assert fake.count() == len(keys)
+
+
 @pytest.fixture
 def temporary() -> Iterator[Path]:
     """A ``TMPDIR`` of the test's own (other runs write theirs meanwhile, pytest -n), short

@@ -21,8 +21,12 @@ Contract:
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
-  as it comes (a stream frame by frame).
-  None: the owner's socket could not be reached (nothing sent); the request runs here. Sent but
+  as it comes (a stream frame by frame). An owner whose socket cannot be reached (nothing
+  sent: dead, its replacement starting) is tried again every ``OWNER_POLL_S`` for
+  ``OWNER_RETURN_S``: run here meanwhile, the request's record was where its retries, sent to
+  the replacement, did not look, and they ran it again.
+  None: the owner could not be reached in that time (nor, once so, until it answers); the
+  request runs here. Sent but
   not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
   here too (the owner may be running it). The retry reaches the owner's record while the owner
   lives; an owner that died took its record with it (memory only), so the retry may run the
@@ -146,6 +150,10 @@ CLAIM_POLL_S = 0.05
 # How long a scrape waits for another worker's metrics (a hung one must not hang the scrape).
 _SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 CLAIM_MARGIN_S = 15.0
+# How long a keyed request waits for its record's owner out of reach (its replacement starting),
+# trying again every ``OWNER_POLL_S``, before it runs where it is (``Peers._owner_back``).
+OWNER_RETURN_S = 10.0
+OWNER_POLL_S = 0.1
 # A spare socket refusing connections this long after it was made is a killed worker's (a spare
 # listens from the moment its file is made, and one that stops removes its own file).
 STALE_SPARE_S = 10.0
@@ -184,6 +192,8 @@ class Peers:
         self.calls = 0
         self.unreachable = 0
         self.served = 0
+        # Owners a keyed request waited for in vain (``_owner_back``), until one answers.
+        self._gone: set[int] = set()
 
     def owner_of(self, key: str) -> int | None:
         digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -243,19 +253,26 @@ class Peers:
         return UpstreamResponse(response.status, kept, body=body)
 
     async def run_on(self, owner: int, client: ClientRequest) -> Reply | None:
-        """``client``'s request run whole by ``owner``, its reply as it comes."""
+        """``client``'s request run whole by ``owner``, its reply as it comes; an owner out of
+        reach waited for (``_owner_back``)."""
         url = _url(client.path, client.query.decode("latin-1"))
-        try:
-            response = await self._session(owner).post(
-                url, data=client.body, headers=self._headers(client.headers, _HOP)
-            )
-        except _UNREACHED as error:  # nothing was sent: the key may run here
-            self._missed(owner, error)
-            if self.index is None:  # (not on a worker without a slot: it owns no record)
-                return _owner_unreachable(owner, client)
-            return None
-        except _FAILED as error:
-            return _sent_unanswered(owner, client, error)
+        sent = self._headers(client.headers, _HOP)
+        waited: float | None = None  # (since when, on the loop's clock)
+        while True:
+            try:
+                response = await self._session(owner).post(url, data=client.body, headers=sent)
+                break
+            except _UNREACHED as error:  # nothing was sent: the key may run here
+                if self.index is None:  # (not on a worker without a slot: it owns no record)
+                    self._missed(owner, error)
+                    return _owner_unreachable(owner, client)
+                waited = await self._owner_back(owner, waited)
+                if waited is None:
+                    self._missed(owner, error)
+                    return None
+            except _FAILED as error:
+                return _sent_unanswered(owner, client, error)
+        self._gone.discard(owner)
         self.calls += 1
         headers = [
             (name.lower(), value)
@@ -431,6 +448,23 @@ class Peers:
         headers["accept-encoding"] = "identity"
         headers[PEER_HEADER.decode()] = self._secret
         return headers
+
+    async def _owner_back(self, owner: int, since: float | None) -> float | None:
+        """A keyed request's ``owner`` out of reach: waited for, its replacement (uvicorn
+        starts one at once; it listens within a second or two), for ``OWNER_RETURN_S`` at most
+        since the first try (``since``); after a pause, the time to try again from, or None to
+        run the request here. Run here while the owner's replacement starts, its record would
+        be where its retries, sent to the owner then, do not look: they ran it again. An owner
+        waited for in vain (a slot SIGTTOU took away) is not waited for again until it
+        answers."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        since = now if since is None else since
+        if owner in self._gone or now - since >= OWNER_RETURN_S:
+            self._gone.add(owner)
+            return None
+        await asyncio.sleep(OWNER_POLL_S)
+        return since
 
     def _missed(self, owner: int, error: BaseException) -> None:
         self.unreachable += 1
