@@ -428,6 +428,47 @@ async def test_a_worker_that_dies_while_its_health_check_is_awaited_is_replaced_
         shutil.rmtree(temporary, ignore_errors=True)
 
 
+async def test_a_worker_that_dies_while_anothers_health_check_is_awaited_is_replaced_at_once(
+    fake, tmp_path
+):
+    """uvicorn checks the workers one after another: one that died while the supervisor waited
+    on another's health check (a worker stalled, not answering) was replaced only once that
+    wait ended, WORKER_HEALTHCHECK_S (30 s) later. Its exit now ends the wait too."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stalled=stalled)
+    try:
+        checked = await _waiting_on_a_health_check(proc, stalled, log, workers=2)
+        (other,) = [pid for pid in _stalled_workers(stalled)[0] if pid != checked]
+        os.kill(other, signal.SIGKILL)
+        await eventually(
+            lambda: f"Child process [{other}] died" in log.read_text(),
+            timeout=WORKER_HEALTHCHECK_S / 2,  # (well under the wait, which is what it took)
+            what="the supervisor to see the other worker died",
+        )
+        assert _running(checked)  # (no verdict on the stalled one meanwhile)
+        proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+        assert list(temporary.iterdir()) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
 async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_path):
     """A SIGHUP restarts the workers one by one, each new one awaited until it is ready (up to
     WORKER_HEALTHCHECK_S, 30 s). A SIGTERM meanwhile waited for that restart: uvicorn's

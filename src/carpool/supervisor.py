@@ -6,6 +6,9 @@ check (a worker's answer to a ping, awaited up to ``timeout_worker_healthcheck``
 ``carpool serve``) stops waiting as soon as
 - the worker exits: it is dead, and uvicorn replaces it (or stops the run, as it does for a
   worker that failed to start), at once;
+- another worker exits: no verdict on this one (asked again at the next round), and uvicorn
+  replaces the one that exited at once (checked one after another, it waited for a stalled
+  worker's whole timeout first: 30 s without a worker, ``--workers 3``);
 - a SIGINT or SIGTERM reaches the supervisor: no verdict on the worker, and the supervisor
   handles the signal right after, stopping the run as it does after start-up.
 uvicorn waited the whole timeout on the pipe, which a signal does not end (the call is resumed
@@ -77,12 +80,15 @@ class Supervisor(Multiprocess):
         except OSError:
             return False
         deadline = time.monotonic() + timeout
+        # (uvicorn checks the workers one after another: another's exit meanwhile waited for
+        # this one's verdict, up to the whole timeout for a stalled one.)
+        others = [other.process.sentinel for other in self.processes if other is not worker]
         while not self._stopping():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False  # (hung: uvicorn kills it)
             # The pipe or the worker's exit, whichever first; a signal does not end the wait.
-            ready = wait([pipe, worker.process.sentinel], min(left, GLANCE_S))
+            ready = wait([pipe, worker.process.sentinel, *others], min(left, GLANCE_S))
             if pipe in ready:
                 try:
                     pipe.recv()  # (what it says, started or not, is for a restart's readiness)
@@ -93,8 +99,12 @@ class Supervisor(Multiprocess):
                 # (A Ctrl-C reaches the whole group: its workers die of it in this very wait,
                 # and a False would start another before the stop is handled.)
                 return True
-            if ready:
+            if worker.process.sentinel in ready:
                 return False  # (exited while checked)
+            if ready:
+                # Another worker exited: no verdict on this one now (asked again next round),
+                # so that uvicorn replaces that one at once.
+                return True
         return True
 
 
