@@ -25,7 +25,8 @@ Contract:
   or was replaced: below).
 - A worker that does not answer in time adds nothing to that scrape (logged by ``Peers``): its
   counters are missing from the sum once, which Prometheus reads as a reset, as it reads a
-  worker that restarted (its counters start again from 0).
+  worker that restarted (its counters start again from 0): the whole sum after it counts as
+  an increase, the other workers' totals too (a spike of ``rate()``; docs/scaling.md).
 - ``/stats`` stays the answering worker's document (its ``pid``), with ``run``
   (:func:`run_totals`): the workers' counters summed (``saved_fraction`` of the sums), their
   flights, caches, idempotency records (and their budgets) and replicas' calls summed, and per
