@@ -7,6 +7,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -786,6 +787,23 @@ async def test_a_quiet_newcomers_larger_record_is_kept_and_the_oldest_goes(caplo
     assert (await records.begin("t0\nk", FP)).state == "new"  # the oldest of all went
     assert (await records.begin("t1\nk", FP)).state == "done"
     assert not [r for r in caplog.records if "larger than" in r.getMessage()]
+
+
+def test_a_newcomers_large_record_evicts_the_heavy_tenants_never_the_quiet_ones() -> None:
+    """The record just put is never evicted; but with the newcomer then the largest share, the
+    oldest of all went, a quiet tenant's, while a heavy tenant held more than its share."""
+    from carpool.idempotency.finished import Finished
+
+    finished: Finished[int] = Finished(
+        max_records=100, max_bytes=10_000, size=lambda key, size: size, expires=lambda _: math.inf
+    )
+    finished.put("quiet\nk0", 100)  # the oldest of all
+    for n in range(50):
+        finished.put(f"heavy\nk{n}", 100)  # 5,000 bytes, 50 records: over its share (3,333, 33)
+    assert finished.put("new\nk0", 5_200)  # (10,300 bytes: three records of 100 to go)
+    assert "quiet\nk0" in finished and "new\nk0" in finished
+    assert sum(key.startswith("heavy") for key in finished) == 47
+    assert [f"heavy\nk{n}" in finished for n in range(4)] == [False, False, False, True]
 
 
 async def test_a_running_record_is_never_evicted_by_the_bounds() -> None:

@@ -13,7 +13,8 @@ Contract:
   the tenant holding the largest share goes (share: the larger of its records over
   ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant that gained a
   record least recently), but never the record just put (a tenant's first, larger than the
-  others': the oldest of all goes then, as in a plain LRU). So one tenant finishing records faster than the others evicts its
+  others': the oldest of the largest other tenant goes then, if over its share, else the
+  oldest of all, as in a plain LRU). So one tenant finishing records faster than the others evicts its
   own, never a quiet tenant's (a retry of theirs would run its generation again); and many
   tenants of a record each (keys a client without ``auth.client_keys_file`` can make up) are
   each at their share, so no tenant is evicted sooner than a plain LRU would evict it. A
@@ -196,14 +197,25 @@ class Finished(Generic[V]):
             )
         if held < self.max_records // tenants and held_bytes * tenants < self.max_bytes:
             largest = self._largest()
+            if self._tenants[largest].oldest is self._last:
+                # Never the record just put (the putter's only one, larger than the others'):
+                # kept no longer than its put, its retry would run again. The largest of the
+                # others then, if over its share; else the oldest of all, as a plain LRU.
+                other = self._largest_but(largest)
+                if other is None or self._under_share(self._tenants[other]):
+                    return oldest
+                largest = other
             if largest != name:
                 oldest_of_largest = self._tenants[largest].oldest
                 assert oldest_of_largest is not None  # (a tenant with no record is not held)
-                # Never the record just put (the putter's only one, larger than the others):
-                # kept no longer than its put, its retry would run again; a plain LRU keeps it.
-                if oldest_of_largest is not self._last:
-                    return oldest_of_largest
+                return oldest_of_largest
         return oldest
+
+    def _under_share(self, tenant: _Tenant[V]) -> bool:
+        tenants = len(self._tenants)
+        return (
+            tenant.count < self.max_records // tenants and tenant.bytes * tenants < self.max_bytes
+        )
 
     def _gone(self, node: _Node[V]) -> None:
         """``node`` dropped on its own: evicted, or found expired."""
@@ -252,13 +264,28 @@ class Finished(Generic[V]):
             heapq.heapify(self._heap)
 
     def _largest(self) -> str:
+        name = self._largest_but(None)
+        assert name is not None  # (over a bound: some tenant is held)
+        return name
+
+    def _largest_but(self, but: str | None) -> str | None:
+        """The tenant holding the largest share but ``but`` (None when there is no other)."""
         heap = self._heap
-        while True:
-            name = heap[0][2]
-            tenant = self._tenants.get(name)
-            if tenant is not None and heap[0] == self._rank(name, tenant):
-                return name
-            heapq.heappop(heap)
+        passed: list[tuple[float, int, str]] = []  # (``but``'s entry, put back)
+        try:
+            while heap:
+                name = heap[0][2]
+                tenant = self._tenants.get(name)
+                if tenant is None or heap[0] != self._rank(name, tenant):
+                    heapq.heappop(heap)  # (stale)
+                elif name == but:
+                    passed.append(heapq.heappop(heap))
+                else:
+                    return name
+            return None
+        finally:
+            for entry in passed:
+                heapq.heappush(heap, entry)
 
 
 def by_count(max_records: int) -> Finished[V]:
