@@ -270,6 +270,9 @@ async def test_a_merged_2xx_answer_that_is_not_json_is_an_upstream_error_for_all
     )
     assert all(getattr(r, "status", None) == 502 for r in results)
     assert batcher.stats()["alone"] == 0  # (no item by item retry of a broken proxy's page)
+    # The engine took the call, as for one request alone: the SDKs must not try it again, each
+    # try another merged call (``x-should-retry: false``).
+    assert all(("x-should-retry", "false") in getattr(r, "also", ()) for r in results)
 
 
 @pytest.mark.parametrize(

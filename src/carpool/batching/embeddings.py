@@ -71,7 +71,8 @@ Contract
   right. Any other non-2xx answer reaches every caller of the batch as the same status,
   headers and body; an exception from ``send`` is raised to every caller; a 2xx answer
   that is not JSON at all (a proxy's page, a cut body: nothing an engine answers about an
-  item) is an ``UpstreamError`` (502) for all of them.
+  item) is an ``UpstreamAnswerUnreadable`` (502, not retried by the SDKs: the engine took the
+  call) for all of them, as a stream answered to the call is.
 - Usage: only what the upstream reported is apportioned (``prompt_tokens`` and
   ``total_tokens``, each when it is there); an upstream that reported none gives answers
   without ``usage``: nothing is invented. Apportioned usage is an estimate (the engine counts
@@ -113,7 +114,7 @@ import orjson
 
 from carpool import exact_json
 from carpool.completeness import sound_vectors
-from carpool.errors import UpstreamError
+from carpool.errors import UpstreamAnswerUnreadable
 from carpool.fingerprint import varying_headers
 from carpool.identity import DEFAULT_CREDENTIAL_HEADERS
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse, connection_listed
@@ -386,7 +387,9 @@ class EmbeddingBatcher:
         response = await self._send(request)
         try:
             if response.streaming:
-                raise UpstreamError("the upstream answered an embeddings call with a stream")
+                raise UpstreamAnswerUnreadable(
+                    "the upstream answered an embeddings call with a stream"
+                )
             if not 200 <= response.status < 300:
                 return UpstreamResponse(response.status, response.headers, response.body)
             return UpstreamResponse(response.status, _answer_headers(response), response.body)
@@ -408,7 +411,9 @@ class EmbeddingBatcher:
         response = await self._send(UpstreamRequest(path, body, dict(identity), False, query))
         try:
             if response.streaming:
-                raise UpstreamError("the upstream answered an embeddings call with a stream")
+                raise UpstreamAnswerUnreadable(
+                    "the upstream answered an embeddings call with a stream"
+                )
             yield response, body
         finally:
             await response.aclose()
@@ -420,7 +425,7 @@ class EmbeddingBatcher:
         """Each item's own answer from a merged call's 2xx answer; None (each item then goes
         alone) when it reports an error (a non-null top-level ``error``), whatever else it
         holds, or is not one usable embedding per item indexed 0..n-1 (each non-empty, all
-        of one length and type, as a stored answer's: ``completeness``); an ``UpstreamError`` when it
+        of one length and type, as a stored answer's: ``completeness``); an ``UpstreamAnswerUnreadable`` when it
         is not JSON at all. (JSON but for a number JSON has not, ``NaN``, ``Infinity``,
         ``1e999``, which a Python ``json.dumps`` engine writes for one item's vector, is that
         item's fault: each goes alone, and only its caller gets its 502.)"""
@@ -429,7 +434,7 @@ class EmbeddingBatcher:
         except orjson.JSONDecodeError as exc:
             if _json_but_for_its_numbers(response.body):
                 return None
-            raise UpstreamError(
+            raise UpstreamAnswerUnreadable(
                 f"the upstream's embeddings answer for {len(items)} inputs is not JSON"
             ) from exc
         if isinstance(parsed, dict) and parsed.get("error") is not None:
