@@ -1196,18 +1196,20 @@ _WORD_KEYED = {"polarity._forms"}
 def test_every_memo_of_what_a_rule_read_of_a_text_is_bounded_by_memo():
     """Each rule memoises what it read of a text (its words, numbers, names...), up to
     ``guard.READ_CHARS`` characters: with 8,192 texts a memo, prompts of 4,000 characters held
-    over 1 GB (1,000 of them: +600 MB), counted in no budget, shown nowhere."""
+    over 1 GB (1,000 of them: +600 MB), counted in no budget, shown nowhere. Now ``MEMO`` texts
+    of ``MEMO_LONGEST`` characters at most; a longer one is read again each time."""
     import importlib
     import pkgutil
 
     import carpool.semantic.rules as package
 
-    memos = {}
+    functions = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, value in vars(module).items():
             if hasattr(value, "cache_info") and value.__module__ == module.__name__:
-                memos[f"{info.name}.{name}"] = value.cache_info().maxsize
+                functions[f"{info.name}.{name}"] = value
+    memos = {name: function.cache_info().maxsize for name, function in functions.items()}
     assert "text.words" in memos and "order._swapped" in memos
     too_large = {
         name: size
@@ -1215,7 +1217,19 @@ def test_every_memo_of_what_a_rule_read_of_a_text_is_bounded_by_memo():
         if name not in _WORD_KEYED and (size is None or size > text.MEMO)
     }
     assert not too_large
-    # (And they fill no further: more texts than that read, each memo at its bound.)
-    for n in range(2 * text.MEMO):
-        refusal(f"How tall is tower number {n}?", "How tall is the tower?")
-    assert text.words.cache_info().currsize == text.MEMO
+    long = "How tall is the tower " + "and the bridge " * (text.MEMO_LONGEST // 15) + "?"
+    assert len(long) > text.MEMO_LONGEST
+    text.words.cache_clear()
+    refusal(long, "How tall is the tower?")
+    for read in (long, long):
+        text.words(read)
+    assert text.words.cache_info().hits == 0  # (read again each time)
+
+    # A popular entry's text is read once, then taken from the memos (the guard's speed).
+    def hits() -> int:
+        return sum(function.cache_info().hits for function in functions.values())
+
+    before = hits()
+    for _ in range(3):
+        refusal("How tall is tower number 7?", "How tall is the tower?")
+    assert hits() > before

@@ -11,10 +11,9 @@ a timestamp to a date" asks both ways on either side).
 
 from __future__ import annotations
 
-import functools
 import re
 
-from .text import MEMO, STOP, lower_words, norm
+from .text import STOP, lower_words, memo, norm
 
 #: Verbs whose object goes somewhere: "convert X to Y", "migrate X into Y" (-s, -ed, -ing read).
 DIRECTED = frozenset(
@@ -90,7 +89,7 @@ def _verb(word: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _directions(text: str) -> frozenset[tuple[tuple[str, ...], tuple[str, ...]]]:
     """The (source, target) pairs of phrases that ``text`` names a direction between."""
     found = set()

@@ -15,11 +15,10 @@ Chinese has no case; Chinese names are left to the verifier.
 
 from __future__ import annotations
 
-import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import MEMO, lower_words, norm, plain
+from .text import lower_words, memo, norm, plain
 
 COMMON = frozenset(
     {
@@ -61,7 +60,7 @@ def _inside(text: str) -> list[re.Match[str]]:
     return inside
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _names(text: str) -> frozenset[str]:
     text = norm(text)
     inside = _inside(text)

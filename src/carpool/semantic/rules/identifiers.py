@@ -16,11 +16,10 @@ a sentence is not an identifier (:mod:`.entities` reads names).
 
 from __future__ import annotations
 
-import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import MEMO, norm
+from .text import memo, norm
 
 _TOKEN = re.compile(
     # e-mail: a local part of at most 64 characters (RFC 5321), else every letter of "a+a+..."
@@ -54,7 +53,7 @@ def _is_identifier(token: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _read(text: str) -> tuple[frozenset[str], frozenset[str]]:
     """(identifiers, every token) of ``text``, lower-cased."""
     tokens = [m.group().rstrip(".,;:!?") for m in _TOKEN.finditer(norm(text))]

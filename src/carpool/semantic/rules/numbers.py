@@ -32,12 +32,11 @@ An embedding puts "a 2 bedroom flat" next to "a 3 bedroom flat"; the answers dif
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
-from .text import MEMO, lower_words, norm
+from .text import lower_words, memo, norm
 from .units import AFTER_NUMBER_ONLY, CLOCK, CN_DATES, DATES, TIMES_OF_DAY, UNITS, points
 
 #: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
@@ -163,7 +162,7 @@ def _unit_of(flat: str, m: re.Match[str]) -> str | None:
     return UNITS.get(after.group(1)) if after else None
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _read(
     text: str,
 ) -> tuple[Counter[float], int, frozenset[str], frozenset[str], Amounts, Groups, frozenset[str]]:
@@ -239,7 +238,7 @@ def _meant(unit: str) -> tuple[str, str] | None:
     return prefix, measure if measure in ("b", "B", "bps", "Bps") else measure.lower()
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _cased_units(text: str) -> dict[str, set[tuple[str, str]]]:
     """The units after a number whose case says something, by their letters in lower case:
     not in lower case, not in a text written in capitals (neither says which case was

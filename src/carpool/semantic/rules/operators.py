@@ -25,11 +25,10 @@ no operators; arithmetic signs count only between digits or names.
 
 from __future__ import annotations
 
-import functools
 import re
 
 from ..verdict import Reason, Rule
-from .text import MEMO, norm
+from .text import memo, norm
 
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
@@ -75,7 +74,7 @@ _GROUP = re.compile(r"\([^()]*\)")
 _PROSE = re.compile(r"!+(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _operators(text: str) -> tuple[str, ...]:
     text = norm(text)
     found: list[tuple[int, str]] = []

@@ -50,13 +50,12 @@ rest word for word.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
 from .directions import reversed_direction
-from .text import MEMO, STOP, lower_words, norm
+from .text import STOP, lower_words, memo, norm
 
 SLACK = 2
 #: Words between two words whose order does not matter ("beauty and intelligence").
@@ -95,7 +94,7 @@ def _mismatches(x: tuple[str, ...], y: tuple[str, ...], cap: int) -> int:
     return min(max(n, m) - prev[m - n + cap + 1], cap + 1)
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> bool:
     """One exchange of two words makes ``a`` nearly ``b``; with ``roles``, one of them a
     pronoun of :data:`PERSONS` (the words folded by :func:`_folded`)."""

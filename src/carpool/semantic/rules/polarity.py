@@ -47,7 +47,7 @@ from collections import Counter
 from itertools import pairwise
 
 from ..verdict import Reason, Rule
-from .text import MEMO, lower_words, norm
+from .text import lower_words, memo, norm
 
 NEGATORS = frozenset(
     {
@@ -148,7 +148,7 @@ def _forms(word: str) -> frozenset[str]:
     return frozenset(forms)
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _read(text: str) -> tuple[int, int, tuple[str, ...], Counter[str]]:
     """(negators, exclusions, what each "no longer" is said of, words and how often each is said)
     of ``text``; CJK text adds its listed one- and two-character words, and "no longer" is one

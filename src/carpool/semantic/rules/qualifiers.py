@@ -38,13 +38,12 @@ fungi?"), is another question.
 from __future__ import annotations
 
 import difflib
-import functools
 import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
 from .qualifier_words import FAMILIES, Family
-from .text import MEMO, norm
+from .text import memo, norm
 
 #: The most words an edit may change on a side: past this, the verifier reads a rewording.
 MOST = 3
@@ -103,7 +102,7 @@ def _tenses(words: list[str]) -> list[str]:
     return " ".join(w for i, w in enumerate(out) if i not in dropped).split()
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _words(text: str) -> tuple[str, ...]:
     return tuple(_tenses(_WORD.findall(norm(text).lower())))
 
@@ -195,7 +194,7 @@ def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int]:
     return start, end
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _differs(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     if a == b or abs(len(a) - len(b)) > MOST:
         return False

@@ -30,12 +30,11 @@ request; the answer differs in every word. So:
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
-from .text import MEMO, lower_words, norm
+from .text import lower_words, memo, norm
 
 _QUOTED = re.compile(
     r"```(.+?)```|`([^`]+)`|\"([^\"]+)\"|(?<![\w])'([^']+)'(?![\w])|「([^」]+)」|『([^』]+)』"
@@ -126,14 +125,14 @@ def _squash(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _quoted(text: str) -> frozenset[str]:
     return frozenset(
         _squash(next(g for g in m.groups() if g is not None)) for m in _QUOTED.finditer(norm(text))
     )
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _task_input(text: str) -> tuple[str, ...] | None:
     """The words of a task's input, or None when ``text`` is no task."""
     words = lower_words(text)
@@ -143,7 +142,7 @@ def _task_input(text: str) -> tuple[str, ...] | None:
     return tuple(w for w in words[start:] if w not in INSTRUCTION_WORDS)
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _after_colon(text: str) -> tuple[str, ...] | None:
     """The words after the first colon when the instruction before it is a task's."""
     head, colon, tail = norm(text).partition(":")
@@ -166,7 +165,7 @@ _NAMED_INPUT = re.compile(
 )
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _named_input(text: str) -> tuple[str, ...] | None:
     """The words of a task's input that names its language without a colon, or None."""
     m = _NAMED_INPUT.search(norm(text))
@@ -195,7 +194,7 @@ _SAYS = re.compile(
 )
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _says(text: str) -> tuple[tuple[str, ...], ...]:
     """The words of each text an error or a log says (none said: an empty tuple)."""
     said = (lower_words(m.group(1)) for m in _SAYS.finditer(norm(text)))
@@ -207,7 +206,7 @@ _CODE = re.compile(r"\w[(\[]|\s=\s")
 _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _code_chunks(text: str) -> Counter[str] | None:
     """The chunks of code that hold its punctuation, or None when ``text`` has no code."""
     text = norm(text)
@@ -217,7 +216,7 @@ def _code_chunks(text: str) -> Counter[str] | None:
     return Counter(c for c in chunks if _CODE_MARK.search(c))
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _flat(text: str) -> str:
     return _squash(re.sub(r"[`'\"「」『』《》“”]", " ", norm(text)))
 

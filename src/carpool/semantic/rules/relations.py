@@ -19,12 +19,11 @@ the verifier's, which reads those. A relative is read in one form: plurals and "
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
-from .text import MEMO, norm
+from .text import memo, norm
 
 #: Nouns that name someone by their relation to someone else.
 RELATIVES = frozenset(
@@ -100,7 +99,7 @@ def _name_ends(written: list[str]) -> list[int]:
     return ends
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _read(text: str) -> tuple[Counter[tuple[str, str]], Counter[str], bool]:
     """The links (owner, relative), the relatives named, and whether a possessive owns one."""
     written = _WORD.findall(norm(text))

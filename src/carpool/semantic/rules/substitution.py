@@ -29,11 +29,10 @@ or not, refused 27 true rewordings over both halves, verbs and adjectives mostly
 
 from __future__ import annotations
 
-import functools
 import os.path
 
 from ..verdict import Reason, Rule
-from .text import MEMO, lower_words
+from .text import lower_words, memo
 
 #: Words that frame a question rather than name what it asks about, and generic nouns and
 #: light verbs ("way", "thing", "make") that a rewording swaps freely.
@@ -81,7 +80,7 @@ def _one_edit(short: str, long: str, i: int) -> bool:
     return len(long) == len(short) + 1 and short[i:] == long[i + 1 :]
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def _substituted(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     if len(a) != len(b):
         return False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 #: A word: letters, digits, apostrophes and joiners inside (``don't``, ``snake_case``, ``v2.1``);
 #: a run of CJK ideographs counts character by character (Chinese has no spaces).
@@ -19,11 +21,45 @@ whether if than then so as not no please""".split()
 )
 
 
-#: How many texts (or pairs) each rule's memo keeps: what lookups in a row reuse (a query and
-#: its ``semantic.candidates``, the popular entries' texts again and again). Each holds what the
-#: rule read of a text, up to ``guard.READ_CHARS`` long: at 8,192 the memos held over 1 GB of
-#: 4,000-character prompts, outside every budget; at this size ~30 MB at most of those.
-MEMO = 128
+#: How many texts (or pairs) each rule's memo keeps (``memo``): what lookups in a row reuse (a
+#: query and its ``semantic.candidates``, the popular entries' texts again and again).
+MEMO = 1024
+#: The longest text a memo keeps (characters; a list of words: 8 characters a word): a longer one
+#: is read again each time. What a rule reads of a text takes ~65 bytes a character besides
+#: ~5 KB: at 4,096-8,192 texts of up to ``guard.READ_CHARS`` (4,096) characters, the memos held
+#: over 1 GB, outside every budget; so bounded, ~40 MB at most. A long prompt is read in ~2-10 ms
+#: (past the verifier's 256 tokens it is a miss anyway, the upstream's call far longer).
+MEMO_LONGEST = 512
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def memo(function: Callable[P, R]) -> Callable[P, R]:
+    """``function`` memoised (its last ``MEMO`` calls, as ``functools.lru_cache``), but for a
+    text longer than ``MEMO_LONGEST``, read again each time."""
+    cached = functools.lru_cache(maxsize=MEMO)(function)
+
+    @functools.wraps(function)
+    def read(*args: P.args, **kwargs: P.kwargs) -> R:
+        if _length(args) > MEMO_LONGEST:
+            return function(*args, **kwargs)
+        return cached(*args, **kwargs)  # type: ignore[arg-type]
+
+    read.cache_info = cached.cache_info  # type: ignore[attr-defined]
+    read.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return read
+
+
+def _length(args: tuple[object, ...]) -> int:
+    """The characters a call reads (``MEMO_LONGEST``)."""
+    length = 0
+    for arg in args:
+        if isinstance(arg, str):
+            length += len(arg)
+        elif isinstance(arg, tuple):
+            length += 8 * len(arg)
+    return length
 
 
 def norm(text: str) -> str:
@@ -32,7 +68,7 @@ def norm(text: str) -> str:
     return text.replace("’", "'").replace("‘", "'").replace("“", '"').replace("”", '"')
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def words(text: str) -> tuple[str, ...]:
     """The words of ``text`` as written (case kept), in order."""
     return tuple(m.group() for m in _WORD.finditer(norm(text)))
@@ -46,7 +82,7 @@ def plain(word: str) -> str:
     return _POSSESSIVE.sub("", word.lower())
 
 
-@functools.lru_cache(maxsize=MEMO)
+@memo
 def lower_words(text: str) -> tuple[str, ...]:
     """The words, each :func:`plain` (and without a trailing dot)."""
     return tuple(plain(w.lower().strip(".")) for w in words(text))
