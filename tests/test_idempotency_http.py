@@ -846,7 +846,12 @@ async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_a
     the remedy where a retry cannot keep it, on another worker or instance): only a flight's
     call was, so a sampled keyed request was cancelled with its client, and its retry made a
     second, different generation; a shared one's record was dropped (its retry not replayed)."""
-    config = {"coalesce": {"finish_abandoned": True}, **idempotency_settings(records, request)}
+    config = {
+        "coalesce": {"finish_abandoned": True},
+        # (The retry, sent once the run ended, waits for its record to be written, not a 409.)
+        "idempotency": {"on_conflict": "wait"},
+        **idempotency_settings(records, request),
+    }
     streamed = asked.get("stream", False)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
     async with _served(fake, **config) as (served, gateway, client):
