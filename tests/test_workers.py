@@ -518,3 +518,38 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def test_a_hung_worker_is_given_up_on_in_its_timeout_while_other_workers_keep_dying():
+    """Another worker's exit ends a health check's wait (no verdict on the one checked): its
+    next round sent a new ping with a new deadline, so a hung worker was never given up on
+    while others kept dying (a crash loop), its peers' requests for its keys held meanwhile.
+    Its ping is waited for to its first deadline now."""
+    import multiprocessing
+    import time
+
+    from carpool.supervisor import Supervisor
+
+    context = multiprocessing.get_context("spawn")
+
+    class Worker:  # (uvicorn's Process, as the supervisor reads it)
+        def __init__(self, target, *args) -> None:
+            self.process = context.Process(target=target, args=args, daemon=True)
+            self.process.start()
+            self.parent_conn, self.child_conn = context.Pipe()
+
+    hung = Worker(time.sleep, 60)  # (never answers its ping)
+    supervisor = Supervisor.__new__(Supervisor)
+    supervisor.signal_queue, supervisor._pinged = [], {}
+    try:
+        began = time.monotonic()
+        verdicts = []
+        while time.monotonic() - began < 10 and not (verdicts and verdicts[-1] is False):
+            dying = Worker(time.sleep, 0)  # (another worker dying meanwhile, each round)
+            dying.process.join()
+            supervisor.processes = [hung, dying]
+            verdicts.append(supervisor._answers(hung, timeout=1.0))
+        assert verdicts[-1] is False, verdicts  # (given up on: uvicorn kills it)
+        assert time.monotonic() - began < 5
+    finally:
+        hung.process.kill()

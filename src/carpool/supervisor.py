@@ -6,9 +6,9 @@ check (a worker's answer to a ping, awaited up to ``timeout_worker_healthcheck``
 ``carpool serve``) stops waiting as soon as
 - the worker exits: it is dead, and uvicorn replaces it (or stops the run, as it does for a
   worker that failed to start), at once;
-- another worker exits: no verdict on this one (asked again at the next round), and uvicorn
-  replaces the one that exited at once (checked one after another, it waited for a stalled
-  worker's whole timeout first: 30 s without a worker, ``--workers 3``);
+- another worker exits: no verdict on this one (its ping waited for at the next round, to the
+  same deadline), and uvicorn replaces the one that exited at once (checked one after another,
+  it waited for a stalled worker's whole timeout first: 30 s without a worker);
 - a SIGINT or SIGTERM reaches the supervisor: no verdict on the worker, and the supervisor
   handles the signal right after, stopping the run as it does after start-up.
 uvicorn waited the whole timeout on the pipe, which a signal does not end (the call is resumed
@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from typing import Any
 
 from uvicorn.supervisors import Multiprocess
 from uvicorn.supervisors.multiprocess import Process
@@ -46,11 +47,18 @@ GLANCE_S = 0.1
 class Supervisor(Multiprocess):
     """uvicorn's supervisor, whose health checks end early on a worker's exit or a stop."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each worker's ping not answered yet, and when its wait ends (``_answers``).
+        self._pinged: dict[Process, float] = {}
+
     def keep_subprocess_alive(self) -> None:
         # uvicorn's round of health checks, each worker asked through ``_answers``: set on each
         # round, as the workers started in the last one (in place of dead ones) are new.
         for worker in self.processes:
             worker.is_alive = functools.partial(self._answers, worker)  # type: ignore[method-assign]
+        # (The pings unanswered yet, of the workers still there: ``_answers``.)
+        self._pinged = {w: at for w, at in self._pinged.items() if w in self.processes}
         super().keep_subprocess_alive()
 
     def restart_all(self) -> None:
@@ -69,27 +77,36 @@ class Supervisor(Multiprocess):
     def _answers(self, worker: Process, timeout: float = 5) -> bool:
         """As uvicorn's ``Process.is_alive``: whether ``worker`` runs and answers a ping within
         ``timeout`` (uvicorn's default when it passes none); True when stopping, whatever the
-        worker (a False had uvicorn start a new one first)."""
+        worker (a False had uvicorn start a new one first). A ping a round left unanswered
+        (another worker exited: no verdict) is waited for still, to its own deadline: a new
+        ping each round began the timeout again, and a worker hung while others kept dying was
+        never replaced (its peers' requests for its keys held meanwhile)."""
         if self._stopping():
             return True
+        pinged = self._pinged
         if not worker.process.is_alive():
+            pinged.pop(worker, None)
             return False
         pipe = worker.parent_conn
-        try:
-            pipe.send(b"ping")
-        except OSError:
-            return False
-        deadline = time.monotonic() + timeout
+        deadline = pinged.get(worker)
+        if deadline is None:
+            try:
+                pipe.send(b"ping")
+            except OSError:
+                return False
+            deadline = pinged[worker] = time.monotonic() + timeout
         # (uvicorn checks the workers one after another: another's exit meanwhile waited for
         # this one's verdict, up to the whole timeout for a stalled one.)
         others = [other.process.sentinel for other in self.processes if other is not worker]
         while not self._stopping():
             left = deadline - time.monotonic()
             if left <= 0:
+                pinged.pop(worker, None)
                 return False  # (hung: uvicorn kills it)
             # The pipe or the worker's exit, whichever first; a signal does not end the wait.
             ready = wait([pipe, worker.process.sentinel, *others], min(left, GLANCE_S))
             if pipe in ready:
+                pinged.pop(worker, None)
                 try:
                     pipe.recv()  # (what it says, started or not, is for a restart's readiness)
                 except (OSError, EOFError, pickle.UnpicklingError):
@@ -100,10 +117,11 @@ class Supervisor(Multiprocess):
                 # and a False would start another before the stop is handled.)
                 return True
             if worker.process.sentinel in ready:
+                pinged.pop(worker, None)
                 return False  # (exited while checked)
             if ready:
-                # Another worker exited: no verdict on this one now (asked again next round),
-                # so that uvicorn replaces that one at once.
+                # Another worker exited: no verdict on this one now (its ping waited for at the
+                # next round), so that uvicorn replaces that one at once.
                 return True
         return True
 
