@@ -188,6 +188,21 @@ async def test_an_owner_that_is_down_fails_nothing(fake):
         assert (await pair.a.chat(question)).headers["x-carpool"] == "hit"
 
 
+async def test_a_keyed_request_waiting_for_its_owner_goes_on_as_the_worker_stops(fake):
+    """A keyed request whose record's owner is out of reach waits for it (its replacement
+    starting: ``OWNER_RETURN_S``, 10 s); once this worker stops, none is coming: the wait went
+    on to its bound, a generation begun seconds into the shutdown."""
+    async with two_workers(fake.url, b_listens=False) as pair:
+        key = {"Idempotency-Key": idempotency_key_owned_by(pair.a.gateway, 1)}
+        keyed = asyncio.create_task(
+            pair.a.client.post("/v1/chat/completions", json=_chat("Charge my card"), headers=key)
+        )
+        await asyncio.sleep(0)  # (on its way: the wait begins, or the stop comes first)
+        pair.a.gateway.begin_draining()
+        answered = await asyncio.wait_for(keyed, 5)
+    assert answered.status_code == 200 and fake.count() == 1
+
+
 async def aged_at_the_owner(pair: Any, question: str, seconds: float) -> tuple[str, Any]:
     """``question`` answered by worker b (its owner) and kept there, ``seconds`` old now: its
     key and the owner's entry."""

@@ -922,6 +922,8 @@ class Gateway:
         """The gateway is stopping (see the module docstring)."""
         self.draining = True
         self.batcher.flush()
+        if self.peers is not None:  # (a keyed request waiting for a dead owner waits no more)
+            self.peers.stopping = True
 
     async def aclose(self) -> None:
         """Close the layers (``Layers.aclose``), the audits still running first; ``request``

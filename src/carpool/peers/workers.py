@@ -23,8 +23,9 @@ Contract:
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
   as it comes (a stream frame by frame). An owner whose socket cannot be reached (nothing
   sent: dead, its replacement starting) is tried again every ``OWNER_POLL_S`` for
-  ``OWNER_RETURN_S``: run here meanwhile, the request's record was where its retries, sent to
-  the replacement, did not look, and they ran it again.
+  ``OWNER_RETURN_S``, unless this worker is stopping (``stopping``: no replacement comes): run
+  here meanwhile, the request's record was where its retries, sent to the replacement, did not
+  look, and they ran it again.
   None: the owner could not be reached in that time (nor, once so, until it answers); the
   request runs here. Sent but
   not answered (a timeout, the owner gone mid-way): a 503 with ``Retry-After``, never a run
@@ -194,6 +195,8 @@ class Peers:
         self.served = 0
         # Owners a keyed request waited for in vain (``_owner_back``), until one answers.
         self._gone: set[int] = set()
+        # This worker is stopping (``Gateway.begin_draining``): an owner is waited for no more.
+        self.stopping = False
 
     def owner_of(self, key: str) -> int | None:
         digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -457,6 +460,8 @@ class Peers:
         be where its retries, sent to the owner then, do not look: they ran it again. An owner
         waited for in vain (a slot SIGTTOU took away) is not waited for again until it
         answers."""
+        if self.stopping:  # (no replacement is coming: the run stops)
+            return None
         loop = asyncio.get_running_loop()
         now = loop.time()
         since = now if since is None else since
