@@ -386,54 +386,15 @@ async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-async def test_a_worker_that_dies_while_its_health_check_is_awaited_is_replaced_at_once(
-    fake, tmp_path
+@pytest.mark.parametrize("dies", ["the one checked", "another"])
+async def test_a_worker_that_dies_while_a_health_check_is_awaited_is_replaced_at_once(
+    fake, tmp_path, dies
 ):
     """A worker that died while the supervisor waited on its health check was seen dead only
     when the wait ended, WORKER_HEALTHCHECK_S (30 s) later: one worker fewer on the port
-    meanwhile. Its exit now ends the wait: it is replaced at once."""
-    import os
-    import shutil
-    import signal
-    import tempfile
-    from pathlib import Path
-
-    from carpool.cli import WORKER_HEALTHCHECK_S
-    from fakes.waiting import eventually
-
-    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
-    stalled = tmp_path / "stalled"
-    stalled.mkdir()
-    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary)}
-    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
-    log = tmp_path / "workers.log"
-    proc = start_serve(args, env, log, own_group=True, stalled=stalled)
-    try:
-        checked = await _waiting_on_a_health_check(proc, stalled, log, workers=2)
-        os.kill(checked, signal.SIGKILL)
-        await eventually(
-            lambda: f"Child process [{checked}] died" in log.read_text(),
-            timeout=WORKER_HEALTHCHECK_S / 2,  # (well under the wait, which is what it took)
-            what="the supervisor to see the worker died",
-        )
-        await eventually(
-            lambda: len(_stalled_workers(stalled)[0]) == 3, what="the worker in its place"
-        )
-        proc.terminate()
-        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
-        assert list(temporary.iterdir()) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(temporary, ignore_errors=True)
-
-
-async def test_a_worker_that_dies_while_anothers_health_check_is_awaited_is_replaced_at_once(
-    fake, tmp_path
-):
-    """uvicorn checks the workers one after another: one that died while the supervisor waited
-    on another's health check (a worker stalled, not answering) was replaced only once that
-    wait ended, WORKER_HEALTHCHECK_S (30 s) later. Its exit now ends the wait too."""
+    meanwhile; and uvicorn checks the workers one after another, so one that died while
+    another's check was awaited (a worker stalled, not answering) waited for that one's whole
+    wait. Either exit now ends the wait: it is replaced at once."""
     import os
     import shutil
     import signal
@@ -453,13 +414,18 @@ async def test_a_worker_that_dies_while_anothers_health_check_is_awaited_is_repl
     try:
         checked = await _waiting_on_a_health_check(proc, stalled, log, workers=2)
         (other,) = [pid for pid in _stalled_workers(stalled)[0] if pid != checked]
-        os.kill(other, signal.SIGKILL)
+        victim = checked if dies == "the one checked" else other
+        os.kill(victim, signal.SIGKILL)
         await eventually(
-            lambda: f"Child process [{other}] died" in log.read_text(),
+            lambda: f"Child process [{victim}] died" in log.read_text(),
             timeout=WORKER_HEALTHCHECK_S / 2,  # (well under the wait, which is what it took)
-            what="the supervisor to see the other worker died",
+            what="the supervisor to see the worker died",
         )
-        assert _running(checked)  # (no verdict on the stalled one meanwhile)
+        await eventually(
+            lambda: len(_stalled_workers(stalled)[0]) == 3, what="the worker in its place"
+        )
+        if victim == other:
+            assert _running(checked)  # (no verdict on the stalled one meanwhile)
         proc.terminate()
         assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
         assert list(temporary.iterdir()) == []
