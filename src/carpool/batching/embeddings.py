@@ -425,10 +425,11 @@ class EmbeddingBatcher:
         """Each item's own answer from a merged call's 2xx answer; None (each item then goes
         alone) when it reports an error (a non-null top-level ``error``), whatever else it
         holds, or is not one usable embedding per item indexed 0..n-1 (each non-empty, all
-        of one length and type, as a stored answer's: ``completeness``); an ``UpstreamAnswerUnreadable`` when it
-        is not JSON at all. (JSON but for a number JSON has not, ``NaN``, ``Infinity``,
-        ``1e999``, which a Python ``json.dumps`` engine writes for one item's vector, is that
-        item's fault: each goes alone, and only its caller gets its 502.)"""
+        of one length and type, as a stored answer's: ``completeness``); an
+        ``UpstreamAnswerUnreadable`` when it is not JSON at all. (JSON but for a number JSON
+        has not, ``NaN``, ``Infinity``, ``1e999``, which a Python ``json.dumps`` engine writes
+        for one item's vector, is that item's fault: each goes alone, and only its caller gets
+        its 502.)"""
         try:
             parsed = exact_json.loads(response.body)
         except orjson.JSONDecodeError as exc:

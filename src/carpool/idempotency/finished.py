@@ -9,17 +9,16 @@ Contract:
   oldest record of all goes, as in a plain LRU, unless its tenant holds less than its fair
   share of both bounds (fewer than ``max_records // tenants`` records and fewer than
   ``max_bytes / tenants`` bytes, ``tenants`` those holding records; the tenant that put the
-  record judged without it): then the oldest record of
-  the tenant holding the largest share goes (share: the larger of its records over
-  ``max_records`` and its bytes over ``max_bytes``; of equal shares, the tenant that gained a
-  record least recently), but never the record just put (a tenant's first, larger than the
-  others': the oldest of the largest other tenant goes then, if over its share, else the
-  oldest of all, as in a plain LRU). So one tenant finishing records faster than the others evicts its
-  own, never a quiet tenant's (a retry of theirs would run its generation again); and many
-  tenants of a record each (keys a client without ``auth.client_keys_file`` can make up) are
-  each at their share, so no tenant is evicted sooner than a plain LRU would evict it. A
-  record too large for ``max_bytes`` on its own is not kept. Evictions are counted in
-  ``evictions``.
+  record judged without it): then the oldest record of the tenant holding the largest share
+  goes (share: the larger of its records over ``max_records`` and its bytes over
+  ``max_bytes``; of equal shares, the tenant that gained a record least recently), but never
+  the record just put (a tenant's first, larger than the others': the oldest of the largest
+  other tenant goes then, if over its share, else the oldest of all, as in a plain LRU). So
+  one tenant finishing records faster than the others evicts its own, never a quiet tenant's
+  (a retry of theirs would run its generation again); and many tenants of a record each (keys
+  a client without ``auth.client_keys_file`` can make up) are each at their share, so no
+  tenant is evicted sooner than a plain LRU would evict it. A record too large for
+  ``max_bytes`` on its own is not kept. Evictions are counted in ``evictions``.
 - Expiry as ``carpool.lru``'s: ``expires(record)`` on the clock's monotonic time; lazy
   (``peek`` drops what it finds expired), ``expire()`` drops all that have.
 - O(1) but ``expire`` (a scan) and an eviction's choice of tenant (O(log tenants)).
