@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -486,32 +488,35 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
         shutil.rmtree(temporary, ignore_errors=True)
 
 
+class _Worker:
+    """A process and its health-check pipe, as the supervisor reads uvicorn's ``Process``."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(target=target, args=args, daemon=True)
+        self.process.start()
+        self.parent_conn, self.child_conn = context.Pipe()
+
+
 def test_a_hung_worker_is_given_up_on_in_its_timeout_while_other_workers_keep_dying():
     """Another worker's exit ends a health check's wait (no verdict on the one checked): its
     next round sent a new ping with a new deadline, so a hung worker was never given up on
     while others kept dying (a crash loop), its peers' requests for its keys held meanwhile.
     Its ping is waited for to its first deadline now."""
-    import multiprocessing
     import time
 
     from carpool.supervisor import Supervisor
 
-    context = multiprocessing.get_context("spawn")
-
-    class Worker:  # (uvicorn's Process, as the supervisor reads it)
-        def __init__(self, target, *args) -> None:
-            self.process = context.Process(target=target, args=args, daemon=True)
-            self.process.start()
-            self.parent_conn, self.child_conn = context.Pipe()
-
-    hung = Worker(time.sleep, 60)  # (never answers its ping)
+    hung = _Worker(time.sleep, 60)  # (never answers its ping)
     supervisor = Supervisor.__new__(Supervisor)
     supervisor.signal_queue, supervisor._pinged = [], {}
     try:
         began = time.monotonic()
         verdicts = []
         while time.monotonic() - began < 10 and not (verdicts and verdicts[-1] is False):
-            dying = Worker(time.sleep, 0)  # (another worker dying meanwhile, each round)
+            dying = _Worker(time.sleep, 0)  # (another worker dying meanwhile, each round)
             dying.process.join()
             supervisor.processes = [hung, dying]
             verdicts.append(supervisor._answers(hung, timeout=1.0))
@@ -519,3 +524,27 @@ def test_a_hung_worker_is_given_up_on_in_its_timeout_while_other_workers_keep_dy
         assert time.monotonic() - began < 5
     finally:
         hung.process.kill()
+
+
+def test_a_worker_that_answered_a_ping_left_from_a_round_cut_short_is_kept():
+    """A round cut short (another worker exited) leaves a worker's ping waiting; it answered
+    in time, but the next round came after the deadline and gave up on it unread: a healthy
+    worker killed with every request in flight on it."""
+    import time
+
+    from carpool.supervisor import Supervisor
+
+    healthy, dead = _Worker(time.sleep, 60), _Worker(time.sleep, 0)
+    dead.process.join()
+    supervisor = Supervisor.__new__(Supervisor)
+    supervisor.signal_queue, supervisor._pinged = [], {}
+    try:
+        supervisor.processes = [healthy, dead]
+        assert supervisor._answers(healthy, timeout=1.0) is True  # (no verdict: one exited)
+        assert healthy.child_conn.recv() == b"ping"
+        healthy.child_conn.send(b"pong")  # (in time)
+        time.sleep(1.2)  # (the next round comes after the ping's deadline: the subject)
+        supervisor.processes = [healthy]
+        assert supervisor._answers(healthy, timeout=1.0) is True
+    finally:
+        healthy.process.kill()

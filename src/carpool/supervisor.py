@@ -100,11 +100,13 @@ class Supervisor(Multiprocess):
         others = [other.process.sentinel for other in self.processes if other is not worker]
         while not self._stopping():
             left = deadline - time.monotonic()
-            if left <= 0:
+            # (Its answer may have come while no round read the pipe: past the deadline now,
+            # but in time.)
+            if left <= 0 and not _answered(pipe):
                 pinged.pop(worker, None)
                 return False  # (hung: uvicorn kills it)
             # The pipe or the worker's exit, whichever first; a signal does not end the wait.
-            ready = wait([pipe, worker.process.sentinel, *others], min(left, GLANCE_S))
+            ready = wait([pipe, worker.process.sentinel, *others], max(0.0, min(left, GLANCE_S)))
             if pipe in ready:
                 pinged.pop(worker, None)
                 try:
@@ -124,6 +126,14 @@ class Supervisor(Multiprocess):
                 # next round), so that uvicorn replaces that one at once.
                 return True
         return True
+
+
+def _answered(pipe: Any) -> bool:
+    """Whether a worker's answer waits in its ``pipe``."""
+    try:
+        return bool(pipe.poll(0))
+    except (OSError, EOFError):
+        return False
 
 
 class _ExitOrStop(threading.Event):
