@@ -548,3 +548,46 @@ def test_a_worker_that_answered_a_ping_left_from_a_round_cut_short_is_kept():
         assert supervisor._answers(healthy, timeout=1.0) is True
     finally:
         healthy.process.kill()
+
+
+async def test_a_worker_whose_event_loop_is_stuck_is_replaced_after_its_health_check(
+    fake, tmp_path
+):
+    """uvicorn's health check is answered by a thread of the worker's: a worker whose event loop
+    was stuck (a long computation, a blocking call), its process alive, answered on and was
+    never replaced, and its peers' requests for the keys it owns waited for it up to the join
+    and upstream timeouts (630 s). The answer waits for the loop now: unanswered, the worker
+    is killed and replaced after the check's timeout."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stuck=stuck)
+    try:
+        await eventually(lambda: len(list(stuck.iterdir())) == 2, what="both workers started")
+        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+        victim = min(int(path.name) for path in stuck.iterdir())
+        os.kill(victim, signal.SIGUSR2)
+        await eventually(
+            lambda: f"Child process [{victim}] died" in log.read_text(),
+            timeout=WORKER_HEALTHCHECK_S * 2,  # (a check's round, then its timeout)
+            what="the supervisor to give the stuck worker up",
+        )
+        await eventually(lambda: len(list(stuck.iterdir())) == 3, what="the worker in its place")
+        proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temporary, ignore_errors=True)

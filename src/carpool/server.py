@@ -1036,6 +1036,7 @@ def create_worker_app() -> GatewayApp:
     configure_logging(config.log_level, config.log_format)  # (a fresh process: as its parent)
     grace_cut_at_info()  # (uvicorn's own server stops this worker: its cut at INFO too)
     _leave_with_parent(os.environ.get(PARENT_VARIABLE))
+    _health_checks_answered_by_the_loop()
     directory = os.environ.get(PEERS_VARIABLE)
     peers = None
     if directory and not config.redis:
@@ -1048,6 +1049,31 @@ def create_worker_app() -> GatewayApp:
     return GatewayApp(
         build_gateway(config, peers=peers), freeze_gc=True, grace_s=config.shutdown.grace_s
     )
+
+
+def _health_checks_answered_by_the_loop() -> None:
+    """uvicorn's supervisor pings each worker, and a thread of the worker's answers: a worker
+    whose event loop was stuck (a long computation, a blocking call), its process alive,
+    answered on and was never replaced, and its peers' requests for the keys it owns waited
+    for it up to the join and upstream timeouts. Each answer now waits for the loop to run a
+    callback: a stuck loop leaves the ping unanswered, and the supervisor kills and replaces
+    the worker after its health check's timeout. (Called as uvicorn builds the app, on its
+    running loop; without one, uvicorn's own answer stays.)"""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    from uvicorn.supervisors import multiprocess
+
+    def pong(process: multiprocess.Process) -> None:
+        process.child_conn.recv()
+        turned = threading.Event()
+        with contextlib.suppress(RuntimeError):  # (the loop closed: the worker is ending)
+            loop.call_soon_threadsafe(turned.set)
+            turned.wait()
+        process.child_conn.send(process.server.started)
+
+    multiprocess.Process.pong = pong  # type: ignore[method-assign,assignment]
 
 
 def _leave_with_parent(parent: str | None) -> None:

@@ -40,13 +40,16 @@ def start_serve(
     skew_s: float | Path = 0,
     own_group: bool = False,
     stalled: Path | None = None,
+    stuck: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """``python -m carpool.cli serve ARGS`` in a process of its own, its output in ``log``;
     ``skew_s``: its wall clock that many seconds off the system's, or a file holding them,
     written again to step it (``skewed_serve.py``); ``own_group``: in a process group of its
     own, its workers with it (``os.killpg(proc.pid, ...)`` signals them all at once);
     ``stalled``: a directory, its workers' health-check threads stalled at their first ping,
-    each worker saying so there (``stalled_health_checks.py``)."""
+    each worker saying so there (``stalled_health_checks.py``); ``stuck``: a directory, its
+    workers' event loops stuck on SIGUSR2, each worker saying it started there
+    (``stuck_loops.py``)."""
     command = [sys.executable, "-m", "carpool.cli", "serve", *args]
     if skew_s:
         command[1:3] = [str(Path(__file__).with_name("skewed_serve.py"))]
@@ -54,6 +57,9 @@ def start_serve(
     if stalled is not None:
         command[1:3] = [str(Path(__file__).with_name("stalled_health_checks.py"))]
         env = {**env, "STALLED_DIR": str(stalled)}
+    if stuck is not None:
+        command[1:3] = [str(Path(__file__).with_name("stuck_loops.py"))]
+        env = {**env, "STUCK_DIR": str(stuck)}
     with open(log, "wb") as out:
         return subprocess.Popen(
             command,
