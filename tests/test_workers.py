@@ -591,3 +591,71 @@ async def test_a_worker_whose_event_loop_is_stuck_is_replaced_after_its_health_c
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+async def test_a_starting_worker_answers_its_health_check_while_its_app_is_built():
+    """The health check waits for the event loop once the worker serves; starting, uvicorn
+    builds the app on that loop, which does not turn meanwhile: a worker whose build (a large
+    model) took past the check's timeout was killed, and its replacement, for ever."""
+    import asyncio
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    from uvicorn.supervisors import multiprocess
+
+    from carpool.server import _health_checks_answered_by_the_loop
+
+    uvicorns = multiprocess.Process.pong
+    _health_checks_answered_by_the_loop()
+    try:
+        for started in (False, True):
+            parent, child = multiprocessing.Pipe()
+            worker = SimpleNamespace(child_conn=child, server=SimpleNamespace(started=started))
+            answering = threading.Thread(target=multiprocess.Process.pong, args=(worker,))
+            answering.start()
+            parent.send(b"ping")
+            # (The loop held by this very wait: starting, answered at once; serving, not.)
+            answered_while_stuck = parent.poll(1.0)
+            assert answered_while_stuck == (not started)
+            await asyncio.sleep(0.01)  # (the loop turns: the serving one's answer comes)
+            assert parent.poll(5.0) and parent.recv() is started
+            answering.join(5)
+    finally:
+        multiprocess.Process.pong = uvicorns
+
+
+async def test_a_stop_kills_a_worker_whose_event_loop_is_stuck_after_its_grace_period(
+    fake, tmp_path
+):
+    """uvicorn's supervisor waits for each worker to end, without limit: a worker whose event
+    loop was stuck never ended its graceful shutdown, and the run hung for ever."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from carpool.supervisor import STOP_MARGIN_S
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    grace = 1
+    settings = {"shutdown": {"grace_s": grace}, "log_level": "info"}
+    env = {**serve_env(settings), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stuck=stuck)
+    try:
+        await eventually(lambda: len(list(stuck.iterdir())) == 2, what="both workers started")
+        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+        os.kill(min(int(path.name) for path in stuck.iterdir()), signal.SIGUSR2)
+        proc.terminate()
+        assert proc.wait(grace + STOP_MARGIN_S + 15) == 0, log.read_text()[-2000:]
+        assert "did not stop in its grace period: killed" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temporary, ignore_errors=True)

@@ -1056,16 +1056,25 @@ def _health_checks_answered_by_the_loop() -> None:
     whose event loop was stuck (a long computation, a blocking call), its process alive,
     answered on and was never replaced, and its peers' requests for the keys it owns waited
     for it up to the join and upstream timeouts. Each answer now waits for the loop to run a
-    callback: a stuck loop leaves the ping unanswered, and the supervisor kills and replaces
-    the worker after its health check's timeout. (Called as uvicorn builds the app, on its
-    running loop; without one, uvicorn's own answer stays.)"""
+    callback, once the worker serves (starting, it answers as uvicorn does): a stuck loop
+    leaves the ping unanswered, and the supervisor kills and replaces the worker after its
+    health check's timeout. (Called as uvicorn builds the app, on its running loop; without
+    one, uvicorn's own answer stays.)"""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return
     from uvicorn.supervisors import multiprocess
 
+    answer = multiprocess.Process.pong
+
     def pong(process: multiprocess.Process) -> None:
+        if not getattr(getattr(process, "server", None), "started", False):
+            # Starting (the app built on the loop, which does not turn meanwhile: a large model
+            # took past the check's timeout, and the worker was killed for ever), or an older
+            # uvicorn's ``Process``: answered as uvicorn does.
+            answer(process)
+            return
         process.child_conn.recv()
         turned = threading.Event()
         with contextlib.suppress(RuntimeError):  # (the loop closed: the worker is ending)

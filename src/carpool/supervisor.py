@@ -21,11 +21,15 @@ to that same timeout) ends as soon as a SIGINT or SIGTERM reaches the supervisor
 when the run's exit flag is set: the worker awaited is killed, the old ones left to the stop.
 uvicorn's restart looked at that flag only, which the signal sets once handled, after the
 restart: a stop during it waited for it.
+
+A stop waits for each worker to end for the grace period and ``STOP_MARGIN_S`` at most, then
+kills it: uvicorn waited without limit, and a worker whose event loop was stuck hung the run.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import pickle
 import signal
 import threading
@@ -42,6 +46,11 @@ STOPPING = frozenset({signal.SIGINT, signal.SIGTERM})
 
 # How often a health check's wait looks whether a stopping signal has come meanwhile.
 GLANCE_S = 0.1
+# How long past the grace period a stop waits for a worker before it kills it (``join_all``):
+# the lifespan's close, after the requests (the upstream clients, Redis).
+STOP_MARGIN_S = 15.0
+
+log = logging.getLogger("carpool.supervisor")
 
 
 class Supervisor(Multiprocess):
@@ -60,6 +69,20 @@ class Supervisor(Multiprocess):
         # (The pings unanswered yet, of the workers still there: ``_answers``.)
         self._pinged = {w: at for w, at in self._pinged.items() if w in self.processes}
         super().keep_subprocess_alive()
+
+    def join_all(self) -> None:
+        # uvicorn waits for each worker to end, without limit: one whose event loop is stuck
+        # never ends its graceful shutdown, and the run hung for ever (a second signal read by
+        # nothing). Each gets the grace period and a margin, then is killed.
+        grace = self.config.timeout_graceful_shutdown
+        deadline = None if grace is None else time.monotonic() + grace + STOP_MARGIN_S
+        for worker in self.processes:
+            if deadline is not None:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
+                if worker.process.is_alive():
+                    log.warning("worker [%s] did not stop in its grace period: killed", worker.pid)
+                    worker.kill()
+            worker.join()
 
     def restart_all(self) -> None:
         # uvicorn's restart reads ``should_exit``, which a stop queued meanwhile has not set yet.
