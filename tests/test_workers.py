@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpx
@@ -559,24 +560,12 @@ async def test_a_worker_whose_event_loop_is_stuck_is_replaced_after_its_health_c
     and upstream timeouts (630 s). The answer waits for the loop now: unanswered, the worker
     is killed and replaced after the check's timeout."""
     import os
-    import shutil
     import signal
-    import tempfile
-    from pathlib import Path
 
     from carpool.cli import WORKER_HEALTHCHECK_S
     from fakes.waiting import eventually
 
-    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
-    stuck = tmp_path / "stuck"
-    stuck.mkdir()
-    env = {**serve_env({"log_level": "info"}), "TMPDIR": str(temporary)}
-    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
-    log = tmp_path / "workers.log"
-    proc = start_serve(args, env, log, own_group=True, stuck=stuck)
-    try:
-        await eventually(lambda: len(list(stuck.iterdir())) == 2, what="both workers started")
-        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+    async with _stuck_loops_run(fake, tmp_path) as (proc, log, stuck):
         victim = min(int(path.name) for path in stuck.iterdir())
         os.kill(victim, signal.SIGUSR2)
         await eventually(
@@ -587,6 +576,32 @@ async def test_a_worker_whose_event_loop_is_stuck_is_replaced_after_its_health_c
         await eventually(lambda: len(list(stuck.iterdir())) == 3, what="the worker in its place")
         proc.terminate()
         assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
+
+
+@contextlib.asynccontextmanager
+async def _stuck_loops_run(fake, tmp_path, **settings: Any):
+    """``carpool serve --workers 2`` whose workers' event loops get stuck on SIGUSR2
+    (``stuck_loops.py``), once both serve: the process, its log and the directory where each
+    worker wrote its pid; killed if still running at the end."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from fakes.waiting import eventually
+
+    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    env = {**serve_env({"log_level": "info", **settings}), "TMPDIR": str(temporary)}
+    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True, stuck=stuck)
+    try:
+        await eventually(lambda: len(list(stuck.iterdir())) == 2, what="both workers started")
+        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+        yield proc, log, stuck
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -631,31 +646,13 @@ async def test_a_stop_kills_a_worker_whose_event_loop_is_stuck_after_its_grace_p
     """uvicorn's supervisor waits for each worker to end, without limit: a worker whose event
     loop was stuck never ended its graceful shutdown, and the run hung for ever."""
     import os
-    import shutil
     import signal
-    import tempfile
-    from pathlib import Path
 
     from carpool.supervisor import STOP_MARGIN_S
-    from fakes.waiting import eventually
 
-    temporary = Path(tempfile.mkdtemp(prefix="cp-"))
-    stuck = tmp_path / "stuck"
-    stuck.mkdir()
     grace = 1
-    settings = {"shutdown": {"grace_s": grace}, "log_level": "info"}
-    env = {**serve_env(settings), "TMPDIR": str(temporary)}
-    args = ["--upstream", fake.url, "--port", str(free_port()), "--workers", "2"]
-    log = tmp_path / "workers.log"
-    proc = start_serve(args, env, log, own_group=True, stuck=stuck)
-    try:
-        await eventually(lambda: len(list(stuck.iterdir())) == 2, what="both workers started")
-        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+    async with _stuck_loops_run(fake, tmp_path, shutdown={"grace_s": grace}) as (proc, log, stuck):
         os.kill(min(int(path.name) for path in stuck.iterdir()), signal.SIGUSR2)
         proc.terminate()
         assert proc.wait(grace + STOP_MARGIN_S + 15) == 0, log.read_text()[-2000:]
         assert "did not stop in its grace period: killed" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(temporary, ignore_errors=True)
