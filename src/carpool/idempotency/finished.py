@@ -187,21 +187,24 @@ class Finished(Generic[V]):
         oldest = self._first
         assert oldest is not None  # (over a bound: some record is held)
         name = _tenant(oldest.key)
-        tenant, tenants = self._tenants[name], len(self._tenants)
+        tenant = self._tenants[name]
         held, held_bytes = tenant.count, tenant.bytes
         if name == putter and tenant.newest is not None:
             held, held_bytes = (
                 held - 1,
                 held_bytes - self._size(tenant.newest.key, tenant.newest.value),
             )
-        if held < self.max_records // tenants and held_bytes * tenants < self.max_bytes:
+        if self._under_share(held, held_bytes):
             largest = self._largest()
             if self._tenants[largest].oldest is self._last:
                 # Never the record just put (the putter's only one, larger than the others'):
                 # kept no longer than its put, its retry would run again. The largest of the
                 # others then, if over its share; else the oldest of all, as a plain LRU.
                 other = self._largest_but(largest)
-                if other is None or self._under_share(self._tenants[other]):
+                if other is None:
+                    return oldest
+                rival = self._tenants[other]
+                if self._under_share(rival.count, rival.bytes):
                     return oldest
                 largest = other
             if largest != name:
@@ -210,11 +213,11 @@ class Finished(Generic[V]):
                 return oldest_of_largest
         return oldest
 
-    def _under_share(self, tenant: _Tenant[V]) -> bool:
+    def _under_share(self, count: int, size: int) -> bool:
+        """Whether a tenant holding ``count`` records of ``size`` bytes holds less than its
+        share of both bounds."""
         tenants = len(self._tenants)
-        return (
-            tenant.count < self.max_records // tenants and tenant.bytes * tenants < self.max_bytes
-        )
+        return count < self.max_records // tenants and size * tenants < self.max_bytes
 
     def _gone(self, node: _Node[V]) -> None:
         """``node`` dropped on its own: evicted, or found expired."""
