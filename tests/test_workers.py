@@ -656,3 +656,36 @@ async def test_a_stop_kills_a_worker_whose_event_loop_is_stuck_after_its_grace_p
         proc.terminate()
         assert proc.wait(grace + STOP_MARGIN_S + 15) == 0, log.read_text()[-2000:]
         assert "did not stop in its grace period: killed" in log.read_text()
+
+
+async def test_a_sighups_restart_kills_an_old_worker_stuck_in_its_grace_period(fake, tmp_path):
+    """A SIGHUP's restart (uvicorn's) stops each old worker once its replacement is ready and
+    waited for it to end without limit: an old worker whose event loop was stuck never ended
+    its graceful shutdown, and the supervisor hung in the restart for ever (no health checks,
+    no worker replaced, a stop read by nothing). It gets the grace period and STOP_MARGIN_S,
+    then is killed, and the restart goes on."""
+    import os
+    import signal
+
+    from carpool.cli import WORKER_HEALTHCHECK_S
+    from carpool.supervisor import STOP_MARGIN_S
+    from fakes.waiting import eventually
+
+    grace = 1
+    async with _stuck_loops_run(fake, tmp_path, shutdown={"grace_s": grace}) as (proc, log, stuck):
+        old = sorted(int(path.name) for path in stuck.iterdir())
+        os.kill(proc.pid, signal.SIGHUP)
+        # (The restart's first new worker started: no health check runs until it ends.)
+        await eventually(lambda: len(list(stuck.iterdir())) == 3, what="the first new worker")
+        os.kill(old[0], signal.SIGUSR2)
+        await eventually(
+            lambda: (
+                log.read_text().count("Application startup complete") == 4
+                and not any(_running(pid) for pid in old)
+            ),
+            timeout=grace + STOP_MARGIN_S + WORKER_HEALTHCHECK_S,
+            what="both old workers replaced, the stuck one killed",
+        )
+        assert f"worker [{old[0]}] did not stop in its grace period: killed" in log.read_text()
+        proc.terminate()
+        assert proc.wait(WORKER_HEALTHCHECK_S) == 0, log.read_text()[-2000:]

@@ -23,7 +23,9 @@ uvicorn's restart looked at that flag only, which the signal sets once handled, 
 restart: a stop during it waited for it.
 
 A stop waits for each worker to end for the grace period and ``STOP_MARGIN_S`` at most, then
-kills it: uvicorn waited without limit, and a worker whose event loop was stuck hung the run.
+kills it, and so does a SIGHUP's restart for each old worker it stops: uvicorn waited without
+limit, and a worker whose event loop was stuck hung the run (in a restart, the supervisor: no
+health checks, no worker replaced, no signal read).
 """
 
 from __future__ import annotations
@@ -74,24 +76,39 @@ class Supervisor(Multiprocess):
         # uvicorn waits for each worker to end, without limit: one whose event loop is stuck
         # never ends its graceful shutdown, and the run hung for ever (a second signal read by
         # nothing). Each gets the grace period and a margin, then is killed.
-        grace = self.config.timeout_graceful_shutdown
-        deadline = None if grace is None else time.monotonic() + grace + STOP_MARGIN_S
+        deadline = self._stop_deadline()
         for worker in self.processes:
-            if deadline is not None:
-                worker.process.join(max(0.0, deadline - time.monotonic()))
-                if worker.process.is_alive():
-                    log.warning("worker [%s] did not stop in its grace period: killed", worker.pid)
-                    worker.kill()
-            worker.join()
+            self._join_by(worker, deadline)
 
     def restart_all(self) -> None:
         # uvicorn's restart reads ``should_exit``, which a stop queued meanwhile has not set yet.
         run_exit = self.should_exit
         self.should_exit = _ExitOrStop(run_exit, self._stopping)
+        # It stops each old worker once its replacement is ready and joins it without limit.
+        for worker in self.processes:
+            worker.join = functools.partial(self._retired, worker)  # type: ignore[method-assign]
         try:
             super().restart_all()
         finally:
             self.should_exit = run_exit
+
+    def _retired(self, worker: Process) -> None:
+        """Wait for an old worker a restart has just stopped, as a stop waits for each."""
+        self._join_by(worker, self._stop_deadline())
+
+    def _stop_deadline(self) -> float | None:
+        """When workers stopped now are killed if still running: none without a grace period."""
+        grace = self.config.timeout_graceful_shutdown
+        return None if grace is None else time.monotonic() + grace + STOP_MARGIN_S
+
+    def _join_by(self, worker: Process, deadline: float | None) -> None:
+        """Wait for ``worker`` to end, killing it at ``deadline``."""
+        if deadline is not None:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.warning("worker [%s] did not stop in its grace period: killed", worker.pid)
+                worker.kill()
+        Process.join(worker)
 
     def _stopping(self) -> bool:
         """Whether a stopping signal is queued, for the supervisor to handle after this round."""
