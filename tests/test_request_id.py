@@ -248,3 +248,24 @@ async def test_an_upstream_calls_id_is_a_uuid_as_llama_cpp_pythons_server_requir
         assert (await gw.client.post(path, json=body)).status_code == 200
     assert len(fake.calls) == 4
     assert all(_is_uuid4(call.headers["x-request-id"]) for call in fake.calls)
+
+
+@pytest.mark.parametrize("draw", ["request id", "upstream call id", "audit sample"])
+def test_ids_and_draws_cannot_be_predicted_from_the_processs_random_generator(draw):
+    """A new request id is sent to any client, unauthenticated ones too (``/healthz``): drawn
+    from the process's Mersenne Twister, 312 of them gave its state away, and with it the next
+    upstream call's id, drawn from the same generator, which an engine names another tenant's
+    answer after (vLLM's ``chatcmpl-<x-request-id>``), and which semantic hits are audited.
+    Each comes from the OS's generator now: reseeding the process's changes nothing."""
+    import random
+
+    from carpool.request_id import new_call_id, new_id
+    from carpool.semantic.audit import Audits
+
+    drawing = {"request id": new_id, "upstream call id": new_call_id}.get(draw)
+    if drawing is None:
+        drawing = Audits(rate=0.5)._sample
+    random.seed(7)
+    first = drawing()
+    random.seed(7)
+    assert drawing() != first

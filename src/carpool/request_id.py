@@ -4,7 +4,7 @@ Contract:
 - ``request_id(headers)``: the client's own ``x-request-id`` when it sent a usable one (1 to 128
   characters of letters, digits and ``-_.:/+=``, a letter or a digit among them: echoed back as
   it came), else a new one (16 hex
-  digits, random). Anything else a client sends there is replaced, never echoed: a response
+  digits, from the OS's random generator). Anything else a client sends there is replaced, never echoed: a response
   header must not carry a client's arbitrary bytes.
 - An upstream's own ``x-request-id`` (a pass-through answer) is relayed as
   ``x-upstream-request-id``: a response carries one ``x-request-id``, the gateway's.
@@ -14,6 +14,10 @@ Contract:
   is served to other clients. Pass-through, whose answers are never shared, forwards it. A
   call's id is a UUID (version 4, its canonical text): llama-cpp-python's server refuses any
   other ``x-request-id`` with an empty 400 (starlette-context's ``RequestIdPlugin``).
+- Ids cannot be predicted: both come from the OS's random generator (``os.urandom``). Drawn
+  from the process's Mersenne Twister, 312 request ids, which any client gets (``/healthz``
+  too), gave its state away, and with it the next call's id, which names another tenant's
+  answer at the engine.
 - ``CURRENT`` holds the id of the request the running task serves (a ``ContextVar``: tasks the
   request starts inherit it); ``RequestIdFilter`` puts it on every log record as
   ``record.request_id`` (``-`` outside a request), for the log format's ``%(request_id)s``.
@@ -26,7 +30,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from contextvars import ContextVar
-from random import getrandbits
+from os import urandom
 
 HEADER = b"x-request-id"
 UPSTREAM_HEADER = b"x-upstream-request-id"  # an upstream's own id, relayed by pass-through
@@ -46,14 +50,13 @@ def request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
 
 def new_id() -> str:
     """A new id: 16 hex digits, random (a request's)."""
-    # (No system call, unlike os.urandom: ids need not be secret.)
-    return f"{getrandbits(64):016x}"
+    return urandom(8).hex()
 
 
 def new_call_id() -> str:
     """A new upstream call's id: a random UUID, version 4, as its canonical text (see the
     module's contract)."""
-    return str(uuid.UUID(int=getrandbits(128), version=4))
+    return str(uuid.uuid4())
 
 
 class RequestIdFilter(logging.Filter):

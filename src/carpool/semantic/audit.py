@@ -11,8 +11,9 @@ Contract:
   (``Fingerprint.tenant``: ``*``, :data:`SHARED`, for a tenant accepted in a namespace of
   ``tenant.shared_namespaces``; else the requester's own) and its namespace. So one tenant's
   hits, right or wrong, never move another tenant's budget, and a shared namespace's is one.
-- ``Audits(rate, window, budget, sample=random.random, label_key=None)``: ``sampled()`` draws
-  whether a hit is audited (``sample() < rate``). ``record(budget, wrong, near)`` counts one
+- ``Audits(rate, window, budget, sample=..., label_key=None)``: ``sampled()`` draws
+  whether a hit is audited (``sample() < rate``; by default from the OS's random generator:
+  the process's is one a client can learn, and which hits are audited is not its to know). ``record(budget, wrong, near)`` counts one
   audit (or report) of a match at the cache's usual bar; ``near``: the match is also a near
   repeat (similarity >= ``BACKED_OFF_SIMILARITY``), one a backed-off budget still serves. Per
   budget: ``audited`` and ``wrong`` in all, and two windows of the latest ``window`` audits:
@@ -112,6 +113,7 @@ MAX_HELD = 10_000  # budgets not serving, tracked apart (the contract)
 #: The tenant of a budget shared by the tenants of a shared namespace (``Fingerprint.tenant``).
 SHARED = "*"
 _Z = 1.959964  # the normal quantile of a two-sided 95% interval
+_UNSEEN = random.SystemRandom()  # (``Audits``' draws: the contract)
 
 
 class Budget(NamedTuple):
@@ -219,7 +221,7 @@ class Audits:
         rate: float,
         window: int = 500,
         budget: float | None = None,
-        sample: Callable[[], float] = random.random,
+        sample: Callable[[], float] = _UNSEEN.random,
         label_key: bytes | None = None,
     ) -> None:
         self.rate = rate
