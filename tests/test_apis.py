@@ -1589,6 +1589,19 @@ MESSAGE_WITH_ITS_ID = {
         (RESPONSES, body_of("responses", store=False, input=[{"id": "msg_x"}, HI])),
         (RESPONSES, body_of("responses", store=False, input=[REASONING_BY_ID, HI])),
         (RESPONSES, body_of("responses", store=False, input=[MESSAGE_WITH_ITS_ID, HI])),
+        # What each account names its own (an OpenRouter preset and a LiteLLM prompt were
+        # served another's: two accounts pick the same names), a pinned version too; a
+        # Gemini context cache (its project's).
+        (CHAT, {**body_of("messages"), "prompt_id": "my-prompt", "prompt_version": 2}),
+        (RESPONSES, body_of("responses", store=False, prompt_id="my-prompt", prompt_version=2)),
+        (CHAT, {**body_of("messages"), "cached_content": "cachedContents/c"}),
+        (
+            CHAT,
+            {
+                **body_of("messages"),
+                "extra_body": {"google": {"cached_content": "cachedContents/c"}},
+            },
+        ),
     ],
 )
 async def test_a_request_naming_a_tenants_own_object_is_never_shared_across_tenants(
@@ -1677,6 +1690,15 @@ def bearer_of(key: str) -> dict[str, str]:
         ("responses", {"prompt": {"id": "pmpt_1"}}),
         ("messages", {"mcp_servers": [{"type": "url", "url": "https://example.test"}]}),
         ("messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+        # A template the account edits in place, read at its latest: OpenRouter's presets (by
+        # the model, alone or after one, or its ``preset`` field), LiteLLM's ``prompt_id``
+        # without its ``prompt_version``.
+        ("messages", {"model": "@preset/code-reviewer"}),
+        ("messages", {"model": "openai/gpt-4o@preset/code-reviewer"}),
+        ("messages", {"preset": "code-reviewer"}),
+        ("messages", {"prompt_id": "my-prompt"}),
+        ("responses", {"model": "@preset/code-reviewer"}),
+        ("responses", {"prompt_id": "my-prompt", "prompt_variables": {"topic": "x"}}),
     ],
 )
 async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, extra):

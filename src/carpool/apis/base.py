@@ -94,8 +94,8 @@ class Api:
 
     def never_shared(self, body: dict[str, Any]) -> str | None:
         """Why this request may never be shared, whatever the sampling controls say (a reason
-        for ``bypass``), or None."""
-        return None
+        for ``bypass``), or None. (Each API's adds its own reasons to these.)"""
+        return latest_template(body)
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
         """Whether the request or its answer names state the upstream keeps for the requester's
@@ -373,17 +373,54 @@ _DEEPEST_PART = 16
 def names_tenant_state(body: Any) -> bool:
     """Whether ``body`` names an object the upstream keeps for one account (a
     ``previous_response_id``, an ``item_reference``, a ``file_id``, an item's
-    ``encrypted_content``, which only that account's organization can send back), or asks it to
-    keep the answer (``store: true``). Read only for a shared namespace's requests."""
+    ``encrypted_content``, which only that account's organization can send back, a template
+    or a context cache: ``_names_account_config``), or asks it to keep the answer
+    (``store: true``). Read only for a shared namespace's requests."""
     if not isinstance(body, dict):
         return False
     if body.get("store") is True or body.get("previous_response_id") is not None:
+        return True
+    if _names_account_config(body):
         return True
     for field in ("messages", "input"):
         items = body.get(field)
         if isinstance(items, list) and any(_names_state(item, 0) for item in items):
             return True
     return False
+
+
+# What a request names of the configuration an account keeps upstream, the same name in two
+# accounts naming two different ones (each account picks its names): OpenRouter's presets (a
+# model ``@preset/<slug>``, alone or after a model, or a ``preset`` field: a system prompt,
+# models, parameters, tools), LiteLLM's stored prompts (``prompt_id``, its ``prompt_version``
+# or its latest), Gemini's context caches (``cached_content``, at the top or in the
+# ``extra_body.google`` its OpenAI-compatible API reads).
+_PRESET_MODEL = "@preset/"
+
+
+def _names_account_config(body: dict[str, Any]) -> bool:
+    """Whether ``body`` names a template, preset or context cache of the account's."""
+    model = body.get("model")
+    if isinstance(model, str) and _PRESET_MODEL in model:
+        return True
+    if any(body.get(name) is not None for name in ("preset", "prompt_id", "cached_content")):
+        return True
+    extra = body.get("extra_body")
+    google = extra.get("google") if isinstance(extra, dict) else None
+    return isinstance(google, dict) and google.get("cached_content") is not None
+
+
+def latest_template(body: dict[str, Any]) -> str | None:
+    """``prompt_latest`` when ``body`` names a template of the account's that is edited in
+    place (an OpenRouter preset: its designated version, whichever that is now; a LiteLLM
+    ``prompt_id`` without a ``prompt_version``), as a Responses stored ``prompt`` without a
+    ``version``: two identical requests need not read the same template. Else None."""
+    model = body.get("model")
+    if (isinstance(model, str) and _PRESET_MODEL in model) or body.get("preset") is not None:
+        return "prompt_latest"
+    if body.get("prompt_id") is not None and body.get("prompt_version") is None:
+        return "prompt_latest"
+    return None
 
 
 def _names_state(part: Any, depth: int) -> bool:

@@ -137,7 +137,7 @@ class MessagesApi(TypedApi):
             for tool in tools
         ):
             return "server_tools"
-        return None
+        return super().never_shared(body)
 
     def deterministic(self, body: dict[str, Any], engine: str = "generic") -> bool:
         # The Messages API has no ``seed``: temperature 0 or top_k 1 (absent temperature is

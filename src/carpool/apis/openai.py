@@ -97,7 +97,7 @@ class _Classic(Api):
         # (``remote_block_ids``); another client's decode would read them.
         if body.get("kv_transfer_params") is not None:
             return "engine_state"
-        return None
+        return super().never_shared(body)
 
     def streamed(self, body: dict[str, Any], ask_usage: bool) -> dict[str, Any]:
         body = {**body, "stream": True}

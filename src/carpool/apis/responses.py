@@ -130,7 +130,7 @@ class ResponsesApi(TypedApi):
         prompt = body.get("prompt")
         if isinstance(prompt, dict) and prompt.get("version") is None:
             return "prompt_latest"
-        return None
+        return super().never_shared(body)
 
     def tenant_bound(self, body: dict[str, Any]) -> bool:
         # Stored (the default), the answer's id names a response kept under the tenant that
