@@ -983,6 +983,25 @@ def test_the_streams_obfuscation_padding_is_not_in_the_assembled_answer():
     assert "obfuscation" not in completion and "obfuscation" not in completion["choices"][0]
 
 
+def test_the_streams_obfuscation_padding_is_in_no_tool_call_nor_object_of_the_answer():
+    # A tool call's keys but its own merge as a message's fields do, and an object's key by
+    # key: padding there was concatenated into the stored answer ("yy2"), served on every hit.
+    def call(**fields):
+        return {"index": 0, "delta": {"tool_calls": [{"index": 0, **fields}]}}
+
+    chunks = [
+        chunk([call(id="t", type="function", function={"name": "f"}, obfuscation="y")]),
+        chunk([call(function={"arguments": "{}"}, obfuscation="y2")]),
+        chunk([{"index": 0, "delta": {"audio": {"id": "a", "obfuscation": "z"}}}]),
+        chunk([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]),
+    ]
+    message = assemble("chat", chunks)["choices"][0]["message"]
+    assert message["tool_calls"] == [
+        {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
+    assert message["audio"] == {"id": "a"}
+
+
 def test_a_stream_assembled_from_azure_keeps_the_real_id():
     # Azure OpenAI opens its streams with its prompt's content-filter results, in a chunk whose
     # id and model are "" and created 0; its non-streaming answer has the real ones.

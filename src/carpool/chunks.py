@@ -151,8 +151,11 @@ _NAMING = frozenset(("index", "type"))
 
 
 def _merge_object(fields: dict[str, _Merged], source: dict[str, Any]) -> None:
-    """``source``, one chunk's piece of an object, merged into the object's ``fields``."""
+    """``source``, one chunk's piece of an object, merged into the object's ``fields`` (but
+    the padding, ``_TOP_SKIP``)."""
     for key, value in source.items():
+        if key == "obfuscation":
+            continue
         merged = fields.get(key)
         if merged is None or (key in _NAMING and value is not None):
             merged = fields[key] = _Merged()
@@ -212,10 +215,11 @@ def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     return merged
 
 
-# A tool call's keys read by ``_ToolCall`` itself; any other (a custom tool's ``custom``, whose
-# ``input`` OpenAI streams in pieces; Gemini's ``extra_content``, the thought signature its next
-# turn must send back) merges as a message's fields do.
-_TOOL_CALL_OWN = frozenset(("index", "id", "type", "function"))
+# A tool call's keys read by ``_ToolCall`` itself, and the padding (``_TOP_SKIP``); any other (a
+# custom tool's ``custom``, whose ``input`` OpenAI streams in pieces; Gemini's
+# ``extra_content``, the thought signature its next turn must send back) merges as a message's
+# fields do.
+_TOOL_CALL_OWN = frozenset(("index", "id", "type", "function", "obfuscation"))
 
 
 class _ToolCall:
