@@ -21,8 +21,8 @@ Contract:
   with ``limit`` gives only the first ``limit`` keys (and hashes no more).
 - ``root``: the key before the first block, ``ROOT`` unless given. ``root_of(parts)`` makes one
   of a scope (strings: the router's tenant, model, ``cache_salt``): the keys of a sequence under
-  one root never equal those of any sequence under another (up to collisions), as vLLM's block
-  hashes under another ``cache_salt``.
+  one root never equal those of any sequence under another (up to collisions), however the
+  parts split one string, as vLLM's block hashes under another ``cache_salt``.
 - Cost: one hash per block asked for, O(len(seq)) at most; nothing is kept between calls.
 """
 
@@ -50,7 +50,9 @@ def _block_bytes(block: str | Sequence[str]) -> bytes:
 
 def root_of(parts: Sequence[str]) -> bytes:
     """A chain root for the scope ``parts`` (see the module's contract), never ``ROOT``."""
-    material = "\x00".join(parts).encode("utf-8", "surrogatepass")
+    # (Each part's length before it: a client's model or ``cache_salt`` may hold any
+    # separator, and two splits of one string must be two scopes.)
+    material = "".join(f"{len(part)}:{part}" for part in parts).encode("utf-8", "surrogatepass")
     return hashlib.blake2b(material, digest_size=KEY_BYTES, person=b"carpool-scope").digest()
 
 

@@ -441,6 +441,14 @@ def test_a_prefix_is_matched_only_within_its_scope():
     assert root_of(["alice", "", "m", ""]) == alice and root_of(["alice", "", "m", "s"]) != alice
 
 
+def test_two_scopes_never_share_a_root_however_their_parts_are_split():
+    # The parts were joined with NUL, which a model name or a cache_salt (client JSON) may
+    # hold: model "m\0x" without a salt and model "m" salted "x\0" + ... had one root.
+    assert root_of(["t", "", "m\x00x", "null"]) != root_of(["t", "", "m", "x\x00null"])
+    assert root_of(["a", "b\x00c"]) != root_of(["a\x00b", "c"])
+    assert root_of(["a", "b"]) != root_of(["a", "b", ""])
+
+
 def test_a_stored_response_routes_only_its_own_tenants_requests():
     holders = StateHolders()
     holders.remember("tenant-a", "resp_1", "r1")
