@@ -511,6 +511,9 @@ def test_the_vectors_expected_are_one_per_embeddings_input():
     assert expected_choices("embedding", {"input": [[1, 2], [3]]}) == 2
     assert expected_choices("embedding", {"input": []}) is None
     assert expected_choices("embedding", {"input": None}) is None
+    # (Items that are neither texts nor token lists: no count, as the contract says.)
+    assert expected_choices("embedding", {"input": [{"a": 1}]}) is None
+    assert expected_choices("embedding", {"input": [1.5, 2.5]}) is None
 
 
 def test_an_embeddings_answer_needs_one_vector_per_input_at_indexes_0_to_n():
@@ -591,6 +594,7 @@ def _base64(*values: float) -> str:
         [[[0.5]]],
         [_base64(math.nan, 0.5)],
         [_base64(0.5, -math.inf)],
+        [[1e308, 1e308, math.nan]],  # (its sum past the largest float: each looked at)
         [""],
         ["@@@@"],
         ["AAA="],  # 2 bytes: no float32
@@ -605,7 +609,16 @@ def test_an_embeddings_answer_with_a_vector_no_sound_engine_sends_is_not_complet
 
 
 @pytest.mark.parametrize(
-    "vectors", [[[0.5, -1, 0]], [[0.5], [2.0]], [_base64(0.5, 1e-30)], [_base64(1.0)] * 3]
+    "vectors",
+    [
+        [[0.5, -1, 0]],
+        [[0.5], [2.0]],
+        [_base64(0.5, 1e-30)],
+        [_base64(1.0)] * 3,
+        # Finite numbers whose sum is past the largest float: refused, a merged batch was
+        # sent again item by item.
+        [[1e308, 1e308, 0.5]],
+    ],
 )
 def test_an_embeddings_answer_of_sound_vectors_is_complete(vectors):
     body = {"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}

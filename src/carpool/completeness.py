@@ -104,12 +104,16 @@ def _sound(vectors: list[Any]) -> bool:
     """Whether ``vectors`` are the answer of a sound engine: each non-empty, all of one
     length, either every one a list of numbers or every one base64 of float32s; none NaN or
     infinite (a fault, fp16 overflowing, would be served for the whole TTL). Linear in the
-    answer, in C (``sum``); raises on what is no vector (the caller's ``except``)."""
+    answer, in C (``sum``, each number looked at only when the sum is not finite: finite
+    numbers may add up past the largest float); raises on what is no vector (the caller's
+    ``except``)."""
     if isinstance(vectors[0], str):
         vectors = [memoryview(base64.b64decode(v, validate=True)).cast("f") for v in vectors]
     length = len(vectors[0])
     return length > 0 and all(
-        isinstance(v, (list, memoryview)) and len(v) == length and math.isfinite(sum(v))
+        isinstance(v, (list, memoryview))
+        and len(v) == length
+        and (math.isfinite(sum(v)) or all(map(math.isfinite, v)))
         for v in vectors
     )
 
@@ -170,7 +174,9 @@ def expected_choices(kind: str, request: Any) -> int | None:
                 return 1
             if not isinstance(given, list) or not given:
                 return None
-            return 1 if type(given[0]) is int else len(given)
+            if type(given[0]) is int:
+                return 1
+            return len(given) if isinstance(given[0], (str, list)) else None
         if kind not in ("chat", "completion"):
             return None
         n = request.get("n")
