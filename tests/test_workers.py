@@ -689,3 +689,56 @@ async def test_a_sighups_restart_kills_an_old_worker_stuck_in_its_grace_period(f
         assert f"worker [{old[0]}] did not stop in its grace period: killed" in log.read_text()
         proc.terminate()
         assert proc.wait(WORKER_HEALTHCHECK_S) == 0, log.read_text()[-2000:]
+
+
+@pytest.mark.parametrize("change", ["rewritten", "removed"])
+async def test_a_worker_started_during_the_run_admits_the_client_keys_the_run_started_with(
+    fake, tmp_path, change
+):
+    """``auth.client_keys_file`` is read at start-up, for the run: a worker started in place
+    of one that died read the file as it was then, so a key removed from it since was
+    refused by that worker only (200 or 401 by the worker a connection landed on), and a
+    file gone meanwhile (a secret being rotated) failed each replacement, restarted for ever.
+    Every worker reads the run's own copy now."""
+    import os
+    import re
+    import signal
+
+    from fakes.waiting import eventually
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-one\nkey-two\n")
+    port = free_port()
+    env = serve_env({"log_level": "info", "auth": {"client_keys_file": str(keys)}})
+    args = ["--upstream", fake.url, "--port", str(port), "--workers", "2"]
+    log = tmp_path / "workers.log"
+    proc = start_serve(args, env, log, own_group=True)
+
+    def started() -> list[int]:
+        return [int(p) for p in re.findall(r"Started server process \[(\d+)\]", log.read_text())]
+
+    try:
+        await eventually(lambda: log.read_text().count("Application startup complete") == 2)
+        if change == "rewritten":
+            keys.write_text("key-two\n")
+        else:
+            keys.unlink()
+        os.kill(started()[0], signal.SIGKILL)
+        await eventually(
+            lambda: log.read_text().count("Application startup complete") == 3,
+            what="a worker in the killed one's place",
+        )
+        replacement = started()[-1]
+        seen: dict[int, set[int]] = {}
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(200):  # (a new connection each: the kernel spreads them)
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                asked = await client.get("/v1/models", headers={"Authorization": "Bearer key-one"})
+                pid = (await client.get("/stats")).json()["pid"]
+                seen.setdefault(pid, set()).add(asked.status_code)
+            if replacement in seen and len(seen) == 2:
+                break
+        assert seen == {pid: {200} for pid in seen} and replacement in seen, seen
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

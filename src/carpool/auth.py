@@ -28,6 +28,7 @@ import binascii
 import contextlib
 import hashlib
 import hmac
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,6 +65,13 @@ class ClientKeys:
             else:
                 digests.append(digest(line))
         return cls(digests)
+
+    def save(self, path: Path) -> None:
+        """Write the keys' digests to a new file at ``path`` (0600), one ``sha256:`` line each,
+        which ``load`` reads back as these keys."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.writelines(f"sha256:{hexdigest}\n" for hexdigest in sorted(self._digests))
 
     def accepts(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
         lines = list(headers)

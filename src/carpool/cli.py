@@ -44,12 +44,14 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 from yarl import URL
 
 from . import peers, rundir
+from .auth import ClientKeys
 from .commands.bench import bench
 from .commands.check import check_config
 from .commands.common import (
@@ -301,10 +303,11 @@ def serve(
             parent = peers.parent_directory(config.workers)
         run = stack.enter_context(rundir.run_directory(parent))
         resolved = run / RESOLVED_FILE
+        workers_config = _keys_read_for_the_run(config, run)
         fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # (the keys)
         with os.fdopen(fd, "w", encoding="ascii") as out:
-            out.write(resolved_text(config))
-        _workers_load(str(resolved), config)
+            out.write(resolved_text(workers_config))
+        _workers_load(str(resolved), workers_config)
         # Without Redis the workers share through each other: each key's upstream calls are
         # made by the worker that owns it, reached on a unix socket in the run's directory,
         # which only this user can open, with a secret of this run (``carpool.peers``).
@@ -333,6 +336,21 @@ def serve(
 
 # The resolved config's name in the run's directory (``serve --workers``).
 RESOLVED_FILE = "config.yaml"
+CLIENT_KEYS_FILE = "client-keys"
+
+
+def _keys_read_for_the_run(config: Config, run: Path) -> Config:
+    """``config`` with its client keys read now, once for the run: their digests written in the
+    run's directory, which its ``auth.client_keys_file`` names. A worker started later (in
+    place of one that died) read the file as it was then: a key removed since was refused by
+    that worker only, and a file gone meanwhile (a secret rotated) failed it for ever."""
+    keys_file = config.auth.client_keys_file
+    if not keys_file:
+        return config
+    copy = run / CLIENT_KEYS_FILE
+    ClientKeys.load(keys_file).save(copy)
+    auth = config.auth.model_copy(update={"client_keys_file": str(copy)})
+    return config.model_copy(update={"auth": auth})
 
 
 def _refuse_missing_permissions(config: Config) -> None:

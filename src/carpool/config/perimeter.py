@@ -299,7 +299,9 @@ class AuthConfig(Section):
         "With it, a "
         "request to /v1/... without a listed key (`Authorization: Bearer`, `api-key` or "
         "`x-api-key`) gets 401 before anything is read, cached or shared; each key is its own "
-        "tenant. Read at start-up. null: no check (the upstream judges the keys).",
+        "tenant. Read at start-up, once for the run (with `--workers`, every worker, one "
+        "started later too, admits the keys listed then; restart to change them). "
+        "null: no check (the upstream judges the keys).",
     )
 
     @field_validator("client_keys_file")
