@@ -590,6 +590,108 @@ async def test_a_chat_completion_not_stored_upstream_is_tagged_with_no_state(gw,
     assert len(gw.gateway.layers.states) == 1
 
 
+FILES = "/v1/files"
+
+
+def naming_a_file(kind: str, file_id: str, text: str = "What does it say?") -> dict[str, Any]:
+    """A ``kind`` request (chat, responses, messages) asking ``text`` of an uploaded file, named
+    as each API names one: a chat file part, a Responses ``input_file``, a Messages document
+    whose source is the file."""
+    if kind == "chat":
+        file = {"type": "file", "file": {"file_id": file_id}}
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}, file]
+        return {**body_of("messages"), "messages": [{"role": "user", "content": content}]}
+    if kind == "responses":
+        content = [{"type": "input_text", "text": text}, {"type": "input_file", "file_id": file_id}]
+        return body_of("responses", input=[{"role": "user", "content": content}])
+    document = {"type": "document", "source": {"type": "file", "file_id": file_id}}
+    content = [document, {"type": "text", "text": text}]
+    return body_of("messages", messages=[{"role": "user", "content": content}])
+
+
+async def uploaded(gw: Any, key: str = "a") -> str:
+    """The id of a file ``key``'s tenant uploads through the gateway (a pass-through)."""
+    sent = await gw.client.post(FILES, content=b"A document\n", headers=bearer_of(key))
+    assert sent.status_code == 200, sent.text
+    return sent.json()["id"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+async def test_a_deleted_files_answers_are_no_longer_served(gw, fake, kind):
+    # A client deletes a file it uploaded (to erase the document) through the gateway: the
+    # answers made from it were still served, hits, until their TTL (OpenAI and Anthropic
+    # answer 404 to a request naming a deleted file).
+    fake.keeps_files = True
+    path = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}[kind]
+    erased, kept = await uploaded(gw), await uploaded(gw)
+    asked, other = naming_a_file(kind, erased), naming_a_file(kind, kept)
+    for body in (asked, other):
+        for outcome in ("miss", "hit"):
+            answer = await gw.client.post(path, json=body, headers=bearer_of("a"))
+            assert answer.status_code == 200 and answer.headers["x-carpool"] == outcome
+    # Another tenant's DELETE of an id drops nothing of A's: its 2xx (the fake keeps one
+    # namespace of files) stands for a file of B's own under the same id.
+    assert (await gw.client.delete(f"{FILES}/{kept}", headers=bearer_of("b"))).status_code == 200
+    assert (await gw.client.post(path, json=other, headers=bearer_of("a"))).headers[
+        "x-carpool"
+    ] == "hit"
+    deleted = await gw.client.delete(f"{FILES}/{erased}", headers=bearer_of("a"))
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    calls = fake.count(path)
+    again = await gw.client.post(path, json=asked, headers=bearer_of("a"))
+    assert again.headers["x-carpool"] == "miss" and fake.count(path) == calls + 1
+    # Only the deleted file's answers went.
+    assert (await gw.client.post(path, json=other, headers=bearer_of("a"))).headers[
+        "x-carpool"
+    ] == "hit"
+
+
+def test_the_files_a_request_names_are_read_from_its_input_and_only_where_its_bytes_may_name_one():
+    # One substring check keeps the walk off the requests that name no file; a key spelled
+    # with an escape (JSON allows one anywhere) is walked all the same.
+    from carpool.apis.base import named_files
+
+    def parsed(body: dict[str, Any], raw: bytes | None = None) -> Any:
+        return parse(ClientRequest(CHAT, raw or orjson.dumps(body), {}), 1 << 20)
+
+    plain = body_of("messages")
+    assert not parsed(plain).may_name_files
+    naming = naming_a_file("chat", "file-1")
+    escaped = orjson.dumps(naming).replace(b'"file_id"', b'"\\u0066ile_id"')
+    for request in (parsed(naming), parsed(naming, escaped)):
+        assert request.may_name_files and named_files(request.body) == ["file-1"]
+    # Every file once; none in a tool call's arguments, a schema or metadata.
+    call = {"type": "tool_use", "id": "t", "name": "f", "input": {"file_id": "f-in-args"}}
+    named = naming_a_file("messages", "file-2")
+    named["messages"] += [{"role": "assistant", "content": [call]}, *named["messages"]]
+    assert named_files({**named, "metadata": {"file_id": "m"}}) == ["file-2"]
+    assert named_files(body_of("responses", input=FUNCTION_OUTPUT_NAMING_A_FILE)) == ["f"]
+
+
+async def test_an_answer_naming_a_file_deleted_while_in_flight_is_not_stored(gw, fake):
+    # The file is deleted while a call naming it runs upstream: its answer, made from the
+    # deleted document, was stored once whole, and a request sent after the DELETE joined the
+    # running call.
+    fake.keeps_files = True
+    asked = naming_a_file("chat", await uploaded(gw))
+    fake.gate = asyncio.Event()
+    first = asyncio.create_task(gw.client.post(CHAT, json=asked, headers=bearer_of("a")))
+    await eventually(lambda: fake.count(CHAT) == 1, what="the call at the upstream")
+    held, fake.gate = fake.gate, None
+    file_id = asked["messages"][0]["content"][1]["file"]["file_id"]
+    assert (await gw.client.delete(f"{FILES}/{file_id}", headers=bearer_of("a"))).status_code == 200
+    late = asyncio.create_task(gw.client.post(CHAT, json=asked, headers=bearer_of("a")))
+    await eventually(
+        lambda: gw.gateway.flights.waiters == 2 or fake.count(CHAT) == 2,
+        what="the request sent after the DELETE, on the running flight or upstream",
+    )
+    held.set()
+    assert (await first).status_code == 200  # (the call running then goes on for its client)
+    assert (await late).headers["x-carpool"] != "coalesced"
+    again = await gw.client.post(CHAT, json=asked, headers=bearer_of("a"))
+    assert again.headers["x-carpool"] == "miss" and fake.count(CHAT) == 3
+
+
 async def _in_flight(gw: Any, fake: Any, text: str, key: str) -> asyncio.Task[Any]:
     """``key``'s chat call of ``text``, held by the fake upstream until ``fake.gate`` is set
     (the gate it found: a DELETE sent after it goes through)."""

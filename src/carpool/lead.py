@@ -17,21 +17,24 @@ Contract:
   clients are woken with the answer first and it is stored right after they reply, in the same
   turn of the event loop: no request that follows a reply can be read in between, and one that
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
-- An answer is stored with its request's tags and, for a request that keeps state upstream
-  (Responses; a chat completion with ``store: true``: ``Api.keeps_state``), the gateway's own
-  (``store.base.state_tag``): the stored response it continues and the one it is, in the
-  requester's tenant, in the exact and the semantic cache alike;
+- An answer is stored with its request's tags and the gateway's own
+  (``store.base.state_tag``), in the requester's tenant: each file its request's input names
+  (``apis.base.named_files``, every API, state kept or not; walked only for a request whose
+  bytes may name one: ``Request.may_name_files``) and, for a request that keeps state
+  upstream (Responses; a chat completion with ``store: true``: ``Api.keeps_state``), the
+  stored response it continues and the one it is, in the exact and the semantic cache alike;
   its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
-  of either drops). The call is indexed under them while it runs too (``StateIndex.fly``):
-  under the response it continues from its start, under the one it makes as soon as the
+  of any of them drops). The call is indexed under them while it runs too
+  (``StateIndex.fly``): under the files it names and the response it continues from its
+  start, under the one it makes as soon as the
   upstream names it (``Exchange.fetch``'s ``made``: before any client reads the id; a call
   followed or replayed from another instance, whose stream named it there: by its whole
   answer, before this flight's clients have its end), with the key its flight is led under
-  (``flying``), so that a ``DELETE`` of either shuts the flight,
+  (``flying``), so that a ``DELETE`` of any shuts the flight,
   which no request joins from then on; once it ends, indexed no more unless its answer
-  lingers (``StateIndex.landed``). One whose response (continued or made) was deleted while
-  its call ran is not stored (``StateIndex.deleted``, asked before it is stored and again once
-  it is: one deleted meanwhile is taken back).
+  lingers (``StateIndex.landed``). One whose file or response (continued or made) was deleted
+  while its call ran is not stored (``StateIndex.deleted``, asked before it is stored and again
+  once it is: one deleted meanwhile is taken back).
 - A cached answer is read, whoever stored it, only while it is younger than its request's
   ``read_age``: its ``max-age`` bounded by its type's TTL in this instance's config (0: not at
   all). A shared flight's claim that finds an answer stored (``redis/flights.py``'s ``load``)
@@ -72,6 +75,7 @@ import orjson
 
 from .answer import Answer
 from .apis import Api
+from .apis.base import named_files
 from .apis.openai import answer_repeats_prompt
 from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
@@ -139,8 +143,8 @@ class Leader:
         leads it for all, and followed by the others (``redis/flights.py``); ``alone``: here.
         With the semantic cache, the prompt is embedded while the upstream answers (unless the
         probe did already), so that its entry too is in before the flight ends. ``flying``: the
-        key the flight is led under (None: ``flight_key``'s), which a ``DELETE`` of the
-        response the call continues or makes shuts (``state_index``).
+        key the flight is led under (None: ``flight_key``'s), which a ``DELETE`` of a file the
+        call names, or of the response it continues or makes, shuts (``state_index``).
         """
         embedding = None
         if (
@@ -169,18 +173,23 @@ class Leader:
         shared_store = self.shared_store if key.key is not None and storable else None
         oldest = read_age(self.config, request)
 
-        # Indexed while it runs, under the response it continues from its start and under the
-        # one it makes as soon as the upstream names it (before a client can see the id): a
-        # DELETE of either shuts the flight, which no request joins from then on
-        # (``StateIndex.fly``); indexed no more once it ends, unless its answer lingers.
+        # Indexed while it runs, under the files it names and the response it continues from
+        # its start and under the one it makes as soon as the upstream names it (before a
+        # client can see the id): a DELETE of any shuts the flight, which no request joins
+        # from then on (``StateIndex.fly``); indexed no more once it ends, unless its answer
+        # lingers.
         flown: list[tuple[str, Held]] = []
         made: Callable[[str], None] | None = None
         led = ""
-        if key.key is not None and request.api.keeps_state(request.body):
+        keeps_state = key.key is not None and request.api.keeps_state(request.body)
+        runs_under = list(_file_tags(request, key.owner)) if key.key is not None else []
+        if keeps_state and (continued := request.api.state_continued(request.body)) is not None:
+            runs_under.append(state_tag(key.owner, continued))
+        if key.key is not None and (keeps_state or runs_under):
             led = flying if flying is not None else flight_key(key.key, request, self.config)
-            continued = request.api.state_continued(request.body)
-            if continued is not None:
-                flown += self.states.fly((state_tag(key.owner, continued),), led)
+            if runs_under:
+                flown += self.states.fly(runs_under, led)
+        if keeps_state:
 
             def made(state: str) -> None:
                 tag = state_tag(key.owner, state)
@@ -339,11 +348,12 @@ class Leader:
         assert key.key is not None  # (checked above; a shared key is one too)
         tags = controls.tags
         state: tuple[str, ...] = ()
-        if request.api.keeps_state(request.body):  # (tagged with the state it is or continues)
-            state = _state_tags(request, key.owner, answer)
+        # (Tagged with the files it names and the state it is or continues.)
+        if state := _state_tags(request, key.owner, answer):
             if self.states.deleted(state):
-                # It is or continues a response deleted while its call ran: not stored, and
-                # its flight is joined by no request from now on (nor lingers, done).
+                # It names a file, or is or continues a response, deleted while its call ran:
+                # not stored, and its flight is joined by no request from now on (nor lingers,
+                # done).
                 self.flights.forget(led)
                 return ""
             tags = (*tags, *state)
@@ -461,12 +471,25 @@ def _discard(task: asyncio.Task[Any]) -> None:
 
 
 def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]:
-    """The gateway's own tags of an answer of a request that keeps state upstream
-    (``state_tag``): the stored response it continues (``Api.state_continued``) and the one it is
-    (``Api.state_made``), each in the requester's tenant (``owner``), whose ``DELETE`` of
-    either drops it."""
+    """The gateway's own tags of an answer (``state_tag``), each in the requester's tenant
+    (``owner``), whose ``DELETE`` of any drops it: the files its request names
+    (``_file_tags``) and, for a request that keeps state upstream, the stored response it
+    continues (``Api.state_continued``) and the one it is (``Api.state_made``)."""
+    tags = _file_tags(request, owner)
+    if not request.api.keeps_state(request.body):
+        return tags
     named = [request.api.state_continued(request.body), _state_made(request, answer)]
-    return tuple(state_tag(owner, state) for state in dict.fromkeys(named) if state)
+    made = (state_tag(owner, state) for state in dict.fromkeys(named) if state)
+    return tuple(dict.fromkeys((*tags, *made)))
+
+
+def _file_tags(request: Request, owner: str) -> tuple[str, ...]:
+    """The tags of the files ``request``'s input names (``named_files``), in ``owner``'s
+    tenant: a file is its uploader's, whose 2xx ``DELETE /files/{id}`` drops the answers naming
+    it (``state_index``). Only one check for a request whose bytes name none."""
+    if not request.may_name_files:
+        return ()
+    return tuple(state_tag(owner, file_id) for file_id in named_files(request.body))
 
 
 def _state_made(request: Request, answer: Answer) -> str | None:

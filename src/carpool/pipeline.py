@@ -78,9 +78,10 @@ Contract:
   403 it gets takes back its tenant's every acceptance (``identity.py``), as one to a cached
   endpoint's call does (a key revoked upstream is caught by its next refused call). One on a
   stored response (``/responses/{id}...``) or chat completion (``/chat/completions/{id}...``)
-  goes to the replica that made it (``routing.state``). A ``DELETE /responses/{id}`` or
-  ``DELETE /chat/completions/{id}`` the upstream answers 2xx first drops, in the deleter's
-  tenant, the answers that are or continue that object (their ``state_tag``), by key: those this
+  goes to the replica that made it (``routing.state``). A ``DELETE /responses/{id}``,
+  ``DELETE /chat/completions/{id}`` or ``DELETE /files/{id}`` the upstream answers 2xx first
+  drops, in the deleter's tenant, the answers that are or continue that object, or whose
+  request names that file (their ``state_tag``), by key: those this
   process stored under it (``state_index``: its keys, their lingering flights, their semantic
   entries) and the flights whose calls run under it (shut: no request joins them), then each other worker's (``Peers.forget_state``) and instance's (the Redis
   invalidation channel's ``publish_state``), then is relayed. Not an invalidation: no other
@@ -793,8 +794,9 @@ class Gateway:
             remember = partial(self.layers.holders.remember, tenant, replica=response.replica)
             response.body = learning(response.body, remember)
         if 200 <= response.status < 300 and (deleted := path_deleted(method, path)) is not None:
-            # Gone upstream: the answers that are or continue it go too, before the client
-            # hears so (their ids name nothing now; what it deleted is not served again).
+            # Gone upstream: the answers that are or continue it, or name it (a file), go too,
+            # before the client hears so (their ids name nothing now; what it deleted is not
+            # served again).
             try:
                 await self._forget_state(requester(headers, self.config), deleted)
             except BaseException:
@@ -803,8 +805,8 @@ class Gateway:
         return response
 
     async def _forget_state(self, tenant: str, state_id: str) -> None:
-        """Drop the answers tagged as being or continuing ``state_id`` (``state_tag``) in
-        ``tenant``, the deleter's, by key: what this process stored under the tag
+        """Drop the answers tagged as being, continuing or naming ``state_id`` (a response, a
+        chat completion, a file: ``state_tag``) in ``tenant``, the deleter's, by key: what this process stored under the tag
         (``forget_state``), then what each other worker (``Peers.forget_state``) and instance
         (``InvalidationChannel.publish_state``) did. No flight is forgotten, no epoch moved,
         no layer scanned: a client's DELETE costs its own answers' keys, nothing of the other
@@ -818,8 +820,8 @@ class Gateway:
             await self.invalidations.publish_state(tag)
 
     async def forget_state(self, tag: str) -> int:
-        """Here only: drop what this process stored under ``tag`` (a deleted response's
-        ``state_tag``: ``StateIndex.take``), and store no answer carrying it from now on; how
+        """Here only: drop what this process stored under ``tag`` (a deleted response's or
+        file's ``state_tag``: ``StateIndex.take``), and store no answer carrying it from now on; how
         many answers went."""
         return await self._forget_held(self.layers.states.take(tag))
 

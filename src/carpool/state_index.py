@@ -1,18 +1,21 @@
-"""Which cached answers each stored response's ``DELETE`` drops, in this process: ``StateIndex``.
+"""Which cached answers each stored response's or file's ``DELETE`` drops, in this process:
+``StateIndex``.
 
-An answer of a request that keeps state upstream (Responses; a chat completion with ``store:
-true``: ``Api.keeps_state``) is stored with the gateway's own tags (``store.base.state_tag``):
-the stored response it continues and the one it is, in the requester's tenant. A 2xx
-pass-through ``DELETE /v1/responses/{id}`` or ``DELETE /v1/chat/completions/{id}`` drops them
-(``Gateway.passthrough``), by key, not by scanning the layers: a client may delete as often as
-it creates, and an invalidation of every layer (flights, epochs, a Redis SCAN) is an operator's.
+An answer is stored with the gateway's own tags (``store.base.state_tag``), in the requester's
+tenant: each file its request's input names (``apis.base.named_files``: every API, state kept
+or not), and, for a request that keeps state upstream (Responses; a chat completion with
+``store: true``: ``Api.keeps_state``), the stored response it continues and the one it is. A
+2xx pass-through ``DELETE /v1/responses/{id}``, ``DELETE /v1/chat/completions/{id}`` or
+``DELETE /v1/files/{id}`` drops them (``Gateway.passthrough``), by key, not by scanning the
+layers: a client may delete as often as it creates, and an invalidation of every layer
+(flights, epochs, a Redis SCAN) is an operator's.
 
 Contract:
 - ``add(tags, keys, entry)``: ``Leader._store`` names, before it stores an answer carrying state
   tags, the exact-cache keys it is put (and its flight was led) under; ``entry``, once it is in
   the semantic cache, that cache's id of it (``SemanticCache.forget_entry``). O(1) a tag.
-- ``fly(tags, key)``: ``Leader.lead`` names a call as it begins, under the response it
-  continues, and again as the upstream first names the response it makes (a stream's first
+- ``fly(tags, key)``: ``Leader.lead`` names a call as it begins, under the files it names and
+  the response it continues, and again as the upstream first names the response it makes (a stream's first
   lifecycle event, before any client sees it; a whole answer), with the key its flight is led
   under (``Held.flying``, counted: two calls of a key may run); ``landed`` once it ends: the
   key stays indexed if its answer lingers in the window (joinable still), else it goes (a
@@ -21,10 +24,10 @@ Contract:
   request joins them from then on. A call counts in the bounds as an answer while it runs.
 - ``take(tag)``: what this process stored under ``tag`` (its keys and semantic entries) and the
   flights running under it, no longer held here; ``tag`` is remembered as deleted from then on
-  (``deleted``; a call continuing it is not indexed, ``fly``: the upstream refuses it). O(its
-  keys).
+  (``deleted``; a call continuing or naming it is not indexed, ``fly``: the upstream refuses
+  it). O(its keys).
 - ``deleted(tags)``: whether one of ``tags`` was taken: an answer continuing (or being) a
-  response deleted while its call ran is not stored (``Leader._store`` asks before storing,
+  response, or naming a file, deleted while its call ran is not stored (``Leader._store`` asks before storing,
   and again once stored, taking back what it put meanwhile). ``TOMBSTONES`` tags taken are
   remembered, shared fairly between tenants (``idempotency.finished``): beyond, the oldest
   goes unless its tenant holds fewer than its share, then the oldest of the tenant holding

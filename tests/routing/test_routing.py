@@ -553,13 +553,20 @@ async def test_an_answer_learned_from_is_parsed_when_it_can_be_whole_not_once_pe
 
 
 def test_only_a_delete_of_the_stored_object_itself_names_what_it_deletes():
-    for path, named in [("/responses/resp_1", "resp_1"), ("/chat/completions/c%2D1/", "c-1")]:
+    # (A file too: the answers whose request names it are its, OpenAI's and Anthropic's.)
+    for path, named in [
+        ("/responses/resp_1", "resp_1"),
+        ("/chat/completions/c%2D1/", "c-1"),
+        ("/files/file-1", "file-1"),
+    ]:
         assert path_deleted("DELETE", path) == named
         assert path_deleted("GET", path) is None and path_deleted("POST", path) is None
     assert path_deleted("DELETE", "/responses/resp_1/input_items") is None
     assert path_deleted("DELETE", "/chat/completions/chatcmpl-1/messages") is None
     assert path_deleted("DELETE", "/chat/completions") is None
-    assert path_deleted("DELETE", "/files/file-1") is None
+    assert path_deleted("DELETE", "/files/file-1/content") is None
+    assert path_deleted("DELETE", "/files") is None
+    assert path_deleted("DELETE", "/batches/batch_1") is None
 
 
 class _Gated(Fake):

@@ -24,7 +24,9 @@ Contract:
   asked with ``store: true``): ``keeps_state(body)`` says whether a request may continue or
   make any; ``state_continued`` names what it continues and ``state_made`` what its answer
   made (asked only where ``keeps_state`` said so), so that follow-ups go to the replica holding
-  it (``routing.state``) and a ``DELETE`` of it drops its answers (``state_index``).
+  it (``routing.state``) and a ``DELETE`` of it drops its answers (``state_index``). The
+  files a request's input names (``named_files``: any ``file_id`` in its items, every API,
+  state kept or not) are such state too: a ``DELETE /files/{id}`` drops the answers naming it.
 - Methods never raise on a malformed answer (they judge it incomplete), except ``validate``
   (``RequestError``) and ``judge_stream`` (``UpstreamStreamBroken`` for a stream that did not end
   whole).
@@ -32,7 +34,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -384,7 +386,7 @@ def names_tenant_state(body: Any) -> bool:
         return True
     for field in ("messages", "input"):
         items = body.get(field)
-        if isinstance(items, list) and any(_names_state(item, 0) for item in items):
+        if isinstance(items, list) and any(_names_state(item) for item in items):
             return True
     return False
 
@@ -423,29 +425,61 @@ def latest_template(body: dict[str, Any]) -> str | None:
     return None
 
 
-def _names_state(part: Any, depth: int) -> bool:
+def _names_state(item: Any) -> bool:
     """Whether an input item or anything in it names an account's object."""
+    return any(part is None or _names_object(part) for part in _input_parts(item, 0))
+
+
+def _names_object(part: dict[str, Any]) -> bool:
+    """Whether one object of an input item names an account's object itself."""
+    return (
+        # (Anthropic's signed compaction block, round-tripped verbatim; reasoning or a
+        # compaction encrypted for one organization: OpenAI's Responses.)
+        part.get("type") in ("item_reference", "compaction")
+        or part.get("file_id") is not None
+        or part.get("encrypted_content") is not None
+    )
+
+
+def named_files(body: Any) -> list[str]:
+    """The ``file_id``s ``body``'s input items name (``messages``, ``input``), each once, as
+    ``names_tenant_state`` walks them: at any depth but a tool call's arguments, and no deeper
+    than ``_DEEPEST_PART`` (no API defines a part that deep). Their answers are the files' to
+    drop: a 2xx ``DELETE /files/{id}`` drops them (``state_index``)."""
+    if not isinstance(body, dict):
+        return []
+    files: dict[str, None] = {}
+    for field in ("messages", "input"):
+        items = body.get(field)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            for part in _input_parts(item, 0):
+                if part is not None and isinstance(named := part.get("file_id"), str) and named:
+                    files[named] = None
+    return list(files)
+
+
+def _input_parts(part: Any, depth: int) -> Iterator[dict[str, Any] | None]:
+    """Each object in an input item ``part`` (itself first), but inside a tool call's arguments
+    (``_TOOL_ARGUMENTS``); None where parts nest deeper than ``_DEEPEST_PART``, not walked
+    further (``names_tenant_state`` takes them as naming an account's object)."""
     if isinstance(part, list):
         inner = [value for value in part if isinstance(value, (dict, list))]
     elif isinstance(part, dict):
-        if (
-            # (Anthropic's signed compaction block, round-tripped verbatim; reasoning or a
-            # compaction encrypted for one organization: OpenAI's Responses.)
-            part.get("type") in ("item_reference", "compaction")
-            or part.get("file_id") is not None
-            or part.get("encrypted_content") is not None
-        ):
-            return True
+        yield part
         inner = [
             value
             for name, value in part.items()
             if name not in _TOOL_ARGUMENTS and isinstance(value, (dict, list))
         ]
     else:
-        return False
+        return
     if inner and depth >= _DEEPEST_PART:
-        return True
-    return any(_names_state(value, depth + 1) for value in inner)
+        yield None
+        return
+    for value in inner:
+        yield from _input_parts(value, depth + 1)
 
 
 def is_deterministic(body: Any, engine: str = "generic") -> bool:

@@ -49,11 +49,12 @@ followed alike. So:
   ``/chat/completions/{id}``, ``/files/{id}``, ``/batches/{id}`` and below);
   ``posted_state(method, path, body)``: the one a pass-through body names (a ``POST /batches``'s
   ``input_file_id``). ``path_deleted(method, path)``: the one a
-  pass-through ``DELETE /responses/{id}`` or ``DELETE /chat/completions/{id}`` deletes; once
-  the upstream said 2xx, the gateway drops the cached answers that are or continue it, in the
-  deleter's tenant (``Gateway.passthrough``, ``state_tag``). (One namespace of ids for both:
-  a response's and a completion's are each the upstream's own, ``resp_...`` and
-  ``chatcmpl-...``.)
+  pass-through ``DELETE /responses/{id}``, ``DELETE /chat/completions/{id}`` or ``DELETE
+  /files/{id}`` (OpenAI's and Anthropic's Files API alike) deletes; once the upstream said
+  2xx, the gateway drops the cached answers that are or continue it, or whose request names
+  the file, in the deleter's tenant (``Gateway.passthrough``, ``state_tag``). (One namespace
+  of ids for all three: each is the upstream's own, ``resp_...``, ``chatcmpl-...``,
+  ``file-...``/``file_...``.)
 - The Conversations API (``/v1/conversations``, ``conversation``) is not followed: neither
   vLLM nor SGLang serves it, and OpenAI has one store behind one endpoint. Nor are the lists
   (``GET /files``, ``GET /batches``): each replica lists its own, the policy chooses which.
@@ -112,9 +113,9 @@ class StateHolders:
 
 
 # The pass-through paths under which a stored object's id comes first: those whose objects
-# cached answers may be or continue (``path_deleted``), and all those followed.
-_STORED = ("/responses/", "/chat/completions/")
-_KEPT = (*_STORED, "/files/", "/batches/")
+# cached answers may be, continue or name (a file: ``path_deleted``), and all those followed.
+_STORED = ("/responses/", "/chat/completions/", "/files/")
+_KEPT = (*_STORED, "/batches/")
 # What a kept object's answer names, each kept where it answered (``learning``).
 _NAMED = ("id", "input_file_id", "output_file_id", "error_file_id")
 # The most bytes of an answer read for its ids: a file or batch object is well under 2 KiB.
@@ -206,7 +207,7 @@ async def learning(
 
 def path_deleted(method: str, path: str) -> str | None:
     """The stored object a pass-through call deletes (``DELETE /responses/{id}``, ``DELETE
-    /chat/completions/{id}``), or None."""
+    /chat/completions/{id}``, ``DELETE /files/{id}``), or None."""
     if method != "DELETE" or (named := _after_id(path)) is None or named[1]:
         return None
     return unquote(named[0]) or None

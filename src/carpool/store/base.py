@@ -59,7 +59,8 @@ def prompt_text(text: str) -> str:
 def state_tag(tenant: str, state_id: str) -> str:
     """The gateway's own tag of the answers that are, or continue, ``state_id`` (a response or
     a chat completion the upstream stores for ``tenant``, ``Api.state_made`` /
-    ``Api.state_continued``): a 2xx ``DELETE`` of it by that tenant drops them
+    ``Api.state_continued``), or whose request names it (a file ``tenant`` uploaded,
+    ``apis.base.named_files``): a 2xx ``DELETE`` of it by that tenant drops them
     (``Gateway.passthrough``). It starts with a line feed, which no client's tag holds
     (``x-carpool-tags`` are printable), so no client can name it nor collide with it."""
     return f"\nstate {tenant} {state_id}"
