@@ -798,12 +798,32 @@ def test_rotating_the_held_key_keeps_every_key():
 def test_a_default_config_keeps_its_keys():
     """Keys of a config holding no key, collapsing nothing and naming no neutral header are
     what they were before those settings were keyed (pinned: a change of any key empties a
-    fleet's shared cache at its upgrade, and must come with ``KEY_VERSION``)."""
+    fleet's shared cache at its upgrade, and must come with ``KEY_VERSION`` or
+    ``ANSWER_EPOCH``)."""
     assert keys_of(Config(), {"x-deployment": "beta"}) == (
+        "67d98a882467545047cd7148bfdef16b",
+        "a99b68b0af065fc6a6d7c8db01fe457e",
+        "8c7bca84bcf78c52ed573404e07ee3b7",
+    )
+
+
+def test_an_upgrade_shares_no_answer_with_a_release_that_keyed_requests_together():
+    """The keys of the release before ``ANSWER_EPOCH`` 1 (pinned): it keyed a Messages request
+    with an Origin as one without, and on one Redis, during a rolling upgrade, its instances
+    kept writing that key, whose answer (a browser's 401) the newer served to a server's
+    request. No answer or semantic key of this release is one of that release's; the request
+    digest, an Idempotency-Key's record, is its own still, so a retry is replayed across."""
+    earlier_chat = (
         "d679d71e2632a9c7c6fe7c05bb83c605",
         "a99b68b0af065fc6a6d7c8db01fe457e",
         "1004606a6c2a04f8c7b2e5e8450302d3",
     )
+    answer, digest, semantic = keys_of(Config(), {"x-deployment": "beta"})
+    assert answer != earlier_chat[0] and semantic != earlier_chat[2]
+    assert digest == earlier_chat[1]
+    messages = {**chat(), "max_tokens": 64}
+    for headers in ({}, {"origin": "https://app.example"}):
+        assert key(messages, headers, path="/v1/messages") != "4c10badcf59bdf33e658d2e0942fd66c"
 
 
 @pytest.mark.parametrize(

@@ -295,7 +295,8 @@ NEUTRAL_PREFIXES = (
 # written in a form no key had before (but as a string value of that field: hence
 # ``ORDERED_VERSION``, below), and a string in NFC, or an ordered field with no
 # integral float, keeps the key it had, whose answer, if a canonically equivalent request's,
-# goes with its TTL. Every other key stays, and with it the cache. Nor when integers past 64
+# goes with its TTL: but not while older instances keep writing it, in a rolling upgrade, hence
+# ``ANSWER_EPOCH``. Every other key stays, and with it the cache. Nor when integers past 64
 # bits came to be keyed by their digits: only a request holding one, or an integral float past
 # 64 bits, has a new key; every other keeps its own.)
 KEY_VERSION = 2
@@ -305,6 +306,17 @@ KEY_VERSION = 2
 # (``"tools": "[...]"``) was a newer one's for the object, on one Redis the answer to the
 # other request. Every other request keeps its key.
 ORDERED_VERSION = 3
+# The answer and semantic keys (every key but an idempotency record's request digest) carry an
+# epoch too, moved by a release that keys apart requests an earlier release keyed together:
+# during a rolling upgrade the older instances keep writing the merged key, whose answer a
+# newer one would serve to the request it keys apart (a Messages request without an Origin
+# was served the 401 a browser's got; an answer repeating its prompt, one spelling's, the
+# other's; a stored completion, another's metadata). So a release of another epoch shares no
+# answer, call or semantic entry with this one; the request digests keep their version, so
+# an Idempotency-Key's retry is replayed across it (a 422 only for a request keyed otherwise
+# now). Epoch 1: Messages' Origin, exact strings beside NFC input text, ``store`` keyed with
+# its ``metadata``.
+ANSWER_EPOCH = 1
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
 # structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
@@ -458,8 +470,9 @@ def digest(
 def scope(request: Request, config: Config, label: str, tenant: str, namespace: str) -> list[Any]:
     """Everything besides the body that decides which answer a request may get."""
     controls = request.controls
-    scoped = [
-        KEY_VERSION if ORDERED_FIELDS.isdisjoint(request.body) else ORDERED_VERSION,
+    version = KEY_VERSION if ORDERED_FIELDS.isdisjoint(request.body) else ORDERED_VERSION
+    scoped: list[Any] = [
+        version if label == "request" else (version, ANSWER_EPOCH),
         label,
         tenant,
         namespace,
