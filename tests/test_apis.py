@@ -595,8 +595,9 @@ FILES = "/v1/files"
 
 def naming_a_file(kind: str, file_id: str, text: str = "What does it say?") -> dict[str, Any]:
     """A ``kind`` request (chat, responses, messages) asking ``text`` of an uploaded file, named
-    as each API names one: a chat file part, a Responses ``input_file``, a Messages document
-    whose source is the file."""
+    as each API names one: a chat file part, a Responses ``input_file`` (in its input, or a
+    stored prompt's variable: "responses prompt"), a Messages document whose source is the
+    file."""
     if kind == "chat":
         file = {"type": "file", "file": {"file_id": file_id}}
         content: list[dict[str, Any]] = [{"type": "text", "text": text}, file]
@@ -604,6 +605,11 @@ def naming_a_file(kind: str, file_id: str, text: str = "What does it say?") -> d
     if kind == "responses":
         content = [{"type": "input_text", "text": text}, {"type": "input_file", "file_id": file_id}]
         return body_of("responses", input=[{"role": "user", "content": content}])
+    if kind == "responses prompt":  # (a stored prompt's variable: an input item)
+        variables = {"doc": {"type": "input_file", "file_id": file_id}}
+        return body_of(
+            "responses", input=text, prompt={"id": "p", "version": "2", "variables": variables}
+        )
     document = {"type": "document", "source": {"type": "file", "file_id": file_id}}
     content = [document, {"type": "text", "text": text}]
     return body_of("messages", messages=[{"role": "user", "content": content}])
@@ -616,13 +622,13 @@ async def uploaded(gw: Any, key: str = "a") -> str:
     return sent.json()["id"]
 
 
-@pytest.mark.parametrize("kind", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("kind", ["chat", "responses", "responses prompt", "messages"])
 async def test_a_deleted_files_answers_are_no_longer_served(gw, fake, kind):
     # A client deletes a file it uploaded (to erase the document) through the gateway: the
     # answers made from it were still served, hits, until their TTL (OpenAI and Anthropic
     # answer 404 to a request naming a deleted file).
     fake.keeps_files = True
-    path = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}[kind]
+    path = {"chat": CHAT, "messages": MESSAGES}.get(kind, RESPONSES)
     erased, kept = await uploaded(gw), await uploaded(gw)
     asked, other = naming_a_file(kind, erased), naming_a_file(kind, kept)
     for body in (asked, other):
@@ -646,20 +652,16 @@ async def test_a_deleted_files_answers_are_no_longer_served(gw, fake, kind):
     ] == "hit"
 
 
-def test_the_files_a_request_names_are_read_from_its_input_and_only_where_its_bytes_may_name_one():
-    # One substring check keeps the walk off the requests that name no file; a key spelled
-    # with an escape (JSON allows one anywhere) is walked all the same.
+def test_the_files_a_request_names_are_read_from_its_input_and_its_prompts_variables():
+    # A key spelled with an escape (JSON allows one anywhere) names one all the same.
     from carpool.apis.base import named_files
 
-    def parsed(body: dict[str, Any], raw: bytes | None = None) -> Any:
-        return parse(ClientRequest(CHAT, raw or orjson.dumps(body), {}), 1 << 20)
-
-    plain = body_of("messages")
-    assert not parsed(plain).may_name_files
     naming = naming_a_file("chat", "file-1")
     escaped = orjson.dumps(naming).replace(b'"file_id"', b'"\\u0066ile_id"')
-    for request in (parsed(naming), parsed(naming, escaped)):
-        assert request.may_name_files and named_files(request.body) == ["file-1"]
+    parsed = parse(ClientRequest(CHAT, escaped, {}), 1 << 20)
+    assert named_files(parsed.body) == named_files(naming) == ["file-1"]
+    assert named_files(body_of("messages")) == []
+    assert named_files(naming_a_file("responses prompt", "file-3")) == ["file-3"]
     # Every file once; none in a tool call's arguments, a schema or metadata.
     call = {"type": "tool_use", "id": "t", "name": "f", "input": {"file_id": "f-in-args"}}
     named = naming_a_file("messages", "file-2")

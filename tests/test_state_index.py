@@ -11,8 +11,8 @@ from carpool.store.base import state_tag
 async def test_one_response_continued_by_every_request_holds_a_bounded_list():
     """Each continuation of one stored response was added under its tag, which every add made
     the most recent: the tags were bounded, the keys under that one were not (each long gone
-    from the cache). A tag over ``PER_TAG`` answers is pushed out whole (its answers
-    forgotten) and starts again with the one being stored, which stays indexed."""
+    from the cache). A tag holding ``PER_TAG`` answers lets its oldest go (forgotten) for
+    each one added, which stays indexed."""
     index = StateIndex(max_entries=100)
     forgotten: list[Held] = []
 
@@ -119,3 +119,24 @@ async def test_a_pushed_out_tag_whose_forgetting_failed_is_logged(caplog):
     failed = [r for r in caplog.records if r.name == "carpool.state"]
     assert [r.getMessage() for r in failed] == ["forgetting a pushed-out tag's answers failed"]
     assert isinstance(failed[0].exc_info[1], ConnectionError)
+
+
+async def test_a_tag_at_its_bound_lets_only_its_oldest_answer_go():
+    """A file every request attaches (a bot over one manual) tags every answer: pushed out
+    whole at ``PER_TAG`` answers, the tag took all of them from every layer at each 1,024th
+    question, and every one was a miss again. Its oldest goes for each one added now; a
+    DELETE still takes every answer it holds."""
+    index = StateIndex(max_entries=100)
+    forgotten: list[Held] = []
+
+    async def evicted(held: Held) -> None:
+        forgotten.append(held)
+
+    index.evicted = evicted
+    manual = state_tag("a", "file-manual")
+    for n in range(PER_TAG + 20):
+        index.add([manual], [f"key-{n}"])
+    await asyncio.sleep(0)  # (the forgetting tasks run)
+    assert [key for held in forgotten for key in held.keys] == [f"key-{n}" for n in range(20)]
+    assert index.answers(manual) == PER_TAG
+    assert set(index.take(manual).keys) == {f"key-{n}" for n in range(20, PER_TAG + 20)}

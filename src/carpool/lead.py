@@ -19,8 +19,8 @@ Contract:
   comes meanwhile joins the flight, still running. Otherwise it is stored, then they are woken.
 - An answer is stored with its request's tags and the gateway's own
   (``store.base.state_tag``), in the requester's tenant: each file its request's input names
-  (``apis.base.named_files``, every API, state kept or not; walked only for a request whose
-  bytes may name one: ``Request.may_name_files``) and, for a request that keeps state
+  (``apis.base.named_files``, every API, state kept or not; walked once, on a miss:
+  ``Request.files``) and, for a request that keeps state
   upstream (Responses; a chat completion with ``store: true``: ``Api.keeps_state``), the
   stored response it continues and the one it is, in the exact and the semantic cache alike;
   its keys and semantic entry are indexed under those tags (``state_index``: what a ``DELETE``
@@ -484,12 +484,13 @@ def _state_tags(request: Request, owner: str, answer: Answer) -> tuple[str, ...]
 
 
 def _file_tags(request: Request, owner: str) -> tuple[str, ...]:
-    """The tags of the files ``request``'s input names (``named_files``), in ``owner``'s
-    tenant: a file is its uploader's, whose 2xx ``DELETE /files/{id}`` drops the answers naming
-    it (``state_index``). Only one check for a request whose bytes name none."""
-    if not request.may_name_files:
-        return ()
-    return tuple(state_tag(owner, file_id) for file_id in named_files(request.body))
+    """The tags of the files ``request``'s input names (``named_files``, walked once a
+    request: ``Request.files``), in ``owner``'s tenant: a file is its uploader's, whose 2xx
+    ``DELETE /files/{id}`` drops the answers naming it (``state_index``)."""
+    files = request.files
+    if files is None:
+        files = request.files = tuple(named_files(request.body))
+    return tuple(state_tag(owner, file_id) for file_id in files)
 
 
 def _state_made(request: Request, answer: Answer) -> str | None:

@@ -36,9 +36,10 @@ Contract:
   may store its answer.
 - Bounded: ``max_entries`` tags (``routing.state_entries``), the least recently stored under
   out first; and ``2 * max_entries`` answers (keys and entries) under them in all, a tag
-  holding more than ``PER_TAG`` pushed out whole (one stored response continued by every
-  request: its list only grew, each key in it long gone from the cache). What a tag pushed out
-  held is forgotten from the layers then (``evicted``, set by
+  holding ``PER_TAG`` letting its oldest go for each one added (one stored response continued
+  by every request: its list only grew, each key in it long gone from the cache; pushed out
+  whole, a file every request attaches lost all its answers at each ``PER_TAG``-th). What a tag pushed out
+  held, or the oldest answer it let go, is forgotten from the layers then (``evicted``, set by
   the gateway; in a task of its own, not on the storing flight's path, a failure logged): no answer of a tag this
   index no longer knows outlives a ``DELETE`` of it. (One bound for all tenants, not shared
   fairly: a tag pushed out costs its tenant cache misses only, as the cache's own bounds,
@@ -109,11 +110,9 @@ class StateIndex:
         for tag in tags:
             held = self._held.get(tag)
             if held is not None and len(held) >= PER_TAG:
-                # Full: what it held goes, and it starts again with what is added now (pushed
-                # out after, the answer being stored could be forgotten before it is put, then
-                # stored under a tag no longer held).
-                self._push_out(tag)
-                held = None
+                # Full: its oldest answer goes (``_trimmed``) before what is added now (after,
+                # the answer being stored could be forgotten before it is put).
+                held = self._trimmed(tag, held)
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
@@ -135,8 +134,7 @@ class StateIndex:
         for tag in tags:
             held = self._held.get(tag)
             if held is not None and len(held) >= PER_TAG:
-                self._push_out(tag)  # (as ``add`` does)
-                held = None
+                held = self._trimmed(tag, held)  # (as ``add`` does)
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
@@ -185,6 +183,26 @@ class StateIndex:
         self._gone.put(_tombstone(tag), True)
         held = self._held.pop(tag) or Held()
         self._answers -= len(held)
+        return held
+
+    def _trimmed(self, tag: str, held: Held) -> Held | None:
+        """``held``, ``tag``'s, full: its oldest answer (a key, else a semantic entry) let go
+        and forgotten from the layers, the rest kept. (Pushed out whole, a file every request
+        attaches, or a response every request continues, lost all its answers at each
+        ``PER_TAG``-th.) Holding only calls running, it is pushed out whole: None."""
+        oldest = Held()
+        if held.keys:
+            key = next(iter(held.keys))
+            del held.keys[key]
+            oldest.keys[key] = None
+        elif held.entries:
+            entry = next(iter(held.entries))
+            del held.entries[entry]
+            oldest.entries[entry] = None
+        else:
+            self._push_out(tag)
+            return None
+        self._pushed_out(tag, oldest)
         return held
 
     def _push_out(self, tag: str) -> None:

@@ -442,15 +442,21 @@ def _names_object(part: dict[str, Any]) -> bool:
 
 
 def named_files(body: Any) -> list[str]:
-    """The ``file_id``s ``body``'s input items name (``messages``, ``input``), each once, as
+    """The ``file_id``s ``body``'s input items name (``messages``, ``input``, and a Responses
+    stored prompt's ``variables``, whose values may be input items), each once, as
     ``names_tenant_state`` walks them: at any depth but a tool call's arguments, and no deeper
     than ``_DEEPEST_PART`` (no API defines a part that deep). Their answers are the files' to
     drop: a 2xx ``DELETE /files/{id}`` drops them (``state_index``)."""
     if not isinstance(body, dict):
         return []
+    prompt = body.get("prompt")
+    variables = prompt.get("variables") if isinstance(prompt, dict) else None
     files: dict[str, None] = {}
-    for field in ("messages", "input"):
-        items = body.get(field)
+    for items in (
+        body.get("messages"),
+        body.get("input"),
+        list(variables.values()) if isinstance(variables, dict) else None,
+    ):
         if not isinstance(items, list):
             continue
         for item in items:
