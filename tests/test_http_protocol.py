@@ -1301,9 +1301,12 @@ _SMALL_BUFFER = 4096
 
 
 @contextlib.asynccontextmanager
-async def _small_buffered(served: ServedApp) -> AsyncIterator[tuple[socket.socket, Any]]:
-    """A connection to ``served`` with small socket buffers at both ends, nothing sent yet: the
-    client's socket (non-blocking: ``loop.sock_*``) and the server's protocol of it."""
+async def _small_buffered(
+    served: ServedApp, server_buffer: int = _SMALL_BUFFER
+) -> AsyncIterator[tuple[socket.socket, Any]]:
+    """A connection to ``served`` with small socket buffers at both ends (the server's:
+    ``server_buffer``), nothing sent yet: the client's socket (non-blocking: ``loop.sock_*``)
+    and the server's protocol of it."""
     loop = asyncio.get_running_loop()
     state = served.server.server_state
     before = set(state.connections)
@@ -1315,7 +1318,7 @@ async def _small_buffered(served: ServedApp) -> AsyncIterator[tuple[socket.socke
         await eventually(lambda: bool(set(state.connections) - before), what="the connection")
         (connection,) = set(state.connections) - before
         server_socket = connection.transport.get_extra_info("socket")
-        server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SMALL_BUFFER)
+        server_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, server_buffer)
         yield sock, connection
     finally:
         sock.close()
@@ -1447,6 +1450,28 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut_by_send_timeout(fake)
                 paused = paused or connection.flow.write_paused
                 await asyncio.sleep(0.03)
     assert paused  # (the client did read slower than it was sent)
+    assert received.endswith(answer)
+
+
+async def test_a_slow_reader_is_not_cut_while_the_kernel_holds_what_it_has_not_read(fake):
+    """The kernel's send buffer grows to megabytes (``tcp_wmem``), and the socket takes more
+    only once a good part of it is read: the transport's buffer, all ``send_timeout`` looked
+    at, did not move meanwhile, and a client reading steadily, slower than that, was cut
+    part-way (at 5 KB/s, after 67 KB of a 60 s timeout's answer). What the kernel holds
+    unread counts too now."""
+    fake.answer_text = lambda n, body: " ".join(["w" * 1000] * 1500)  # ~1.5 MB
+    body = _body("slow, a big kernel buffer")
+    async with _gateway(fake, limits={"send_timeout": 0.1}) as (served, _):
+        answer = await _store(served, body)
+        async with _small_buffered(served, server_buffer=256 * 1024) as (sock, connection):
+            loop = asyncio.get_running_loop()
+            await loop.sock_sendall(sock, _request(body))
+            received = bytearray()
+            while not received.endswith(answer):
+                data = await loop.sock_recv(sock, 8192)
+                assert data, f"the connection was closed after {len(received)} bytes"
+                received += data
+                await asyncio.sleep(0.02)
     assert received.endswith(answer)
 
 

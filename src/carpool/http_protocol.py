@@ -56,7 +56,10 @@ Contract:
   the ASGI path, a close waiting to send what is left): its request ends as a client's that
   left (a stream's place in its flight released, the flight going on for the others), and
   what was held for it (a slice, the flight's frames) is let go. A client that reads some,
-  however slowly, is not cut. Under another server (the app under uvicorn's own protocol),
+  however slowly, is not cut: what it has not read is the transport's buffer and, on Linux,
+  the kernel's send queue (``_unread``), which grows to megabytes and takes more only once a
+  good part of it is read (the transport's alone stood still for seconds while a steady reader
+  read: it was cut part-way). Under another server (the app under uvicorn's own protocol),
   its flow control bounds what is held (a slice), not for how long.
 - A connection lost (its client closed it, or it was aborted) is its client leaving for every
   request on it (``connection_lost``), not only uvicorn's current cycle (the request parsed
@@ -147,7 +150,9 @@ import contextvars
 import logging
 import sys
 from collections.abc import Callable
+from fcntl import ioctl
 from functools import partial
+from termios import TIOCOUTQ
 from time import monotonic
 from typing import Any, cast
 from urllib.parse import unquote
@@ -213,6 +218,21 @@ def _nothing() -> None:
 _IDLE, _HEAD, _BODY = 0, 1, 2
 # How long a connection closed while its client may still be sending lingers (``_linger``).
 _LINGER_S = 2.0
+
+
+def _unread(transport: Any) -> int:
+    """What the client of ``transport`` has not read yet: the transport's buffer and, where the
+    kernel says (Linux: ``SIOCOUTQ``, which is ``TIOCOUTQ``), its send queue, sent or not but
+    not acknowledged by the client. A reader that reads some makes it shrink."""
+    left: int = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            queued = ioctl(sock.fileno(), TIOCOUTQ, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return left  # (a kernel that says nothing of a socket's queue, or closed)
+        left += int.from_bytes(queued, sys.byteorder, signed=True)
+    return left
 
 
 def protocol() -> type[GatewayProtocol]:
@@ -552,7 +572,7 @@ class GatewayProtocol(HttpToolsProtocol):
         connection closing once its buffer is sent)."""
         super().pause_writing()
         if self.send_timeout is not None and self.send_timer is None:
-            self.send_left = self.transport.get_write_buffer_size()
+            self.send_left = _unread(self.transport)
             self.send_since = self.loop.time()
             self._send_watch()
 
@@ -577,7 +597,7 @@ class GatewayProtocol(HttpToolsProtocol):
         timeout, transport = self.send_timeout, self.transport
         if timeout is None or not self.flow.write_paused:
             return
-        left, now = transport.get_write_buffer_size(), self.loop.time()
+        left, now = _unread(transport), self.loop.time()
         if left < self.send_left:  # (it read some: it is slow, not gone)
             self.send_left, self.send_since = left, now
         elif now - self.send_since >= timeout:
