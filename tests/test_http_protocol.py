@@ -1459,11 +1459,11 @@ async def test_a_slow_reader_is_not_cut_while_the_kernel_holds_what_it_has_not_r
     at, did not move meanwhile, and a client reading steadily, slower than that, was cut
     part-way (at 5 KB/s, after 67 KB of a 60 s timeout's answer). What the kernel holds
     unread counts too now."""
-    fake.answer_text = lambda n, body: " ".join(["w" * 1000] * 1500)  # ~1.5 MB
+    fake.answer_text = lambda n, body: " ".join(["w" * 1000] * 2000)  # ~2 MB
     body = _body("slow, a big kernel buffer")
-    async with _gateway(fake, limits={"send_timeout": 0.1}) as (served, _):
+    async with _gateway(fake, limits={"send_timeout": 0.5}) as (served, _):
         answer = await _store(served, body)
-        async with _small_buffered(served, server_buffer=256 * 1024) as (sock, connection):
+        async with _small_buffered(served, server_buffer=1024 * 1024) as (sock, connection):
             loop = asyncio.get_running_loop()
             await loop.sock_sendall(sock, _request(body))
             received = bytearray()
