@@ -76,7 +76,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +87,7 @@ from .exact_json import INT_END, INT_MIN, big_int
 from .idempotency import HEADER, HEADER_ALIAS
 from .identity import credential_headers, tenant_of, user_cookies
 from .request import CONTROL_HEADERS, Request
+from .unicode_forms import normal_form
 from .upstream.base import NOT_FORWARDED, connection_listed
 
 # (``safety_identifier`` and ``prompt_cache_key`` are OpenAI's successors of ``user`` for abuse
@@ -674,13 +674,14 @@ def _input_text_inner(value: Any) -> Any:
 
 
 def _nfc(text: str) -> str:
-    return text if text.isascii() else unicodedata.normalize("NFC", text)
+    # (A text whose normalization would be quadratic is keyed as sent: ``normal_form``.)
+    composed = normal_form("NFC", text)
+    return text if composed is None else composed
 
 
 def normalize_text(text: str, collapse: bool) -> str:
     """NFC, and (with ``collapse``) trimmed with white-space runs as one space outside ``` fences."""
-    if not text.isascii():
-        text = unicodedata.normalize("NFC", text)
+    text = _nfc(text)
     if not collapse:
         return text
     if _FENCE not in text:

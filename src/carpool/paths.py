@@ -23,11 +23,11 @@ Contract (CONTRACT.md "HTTP surface": never outside the upstream's ``/v1``):
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from urllib.parse import quote, unquote_to_bytes
 
 from .errors import PathNotAllowed, PathRefused
+from .unicode_forms import normal_form
 
 MAX_DECODES = 4
 # RFC 3986 pchar minus "%" (unreserved, sub-delims, ":" and "@"): kept as they are when re-encoding.
@@ -90,7 +90,10 @@ def _check_escapes(raw: str) -> None:
 
 def _check_text(text: str) -> None:
     """Refuse what a decoder at this depth would see as leaving the path, or as control."""
-    for form in (text, unicodedata.normalize("NFKC", text)):
+    compatible = normal_form("NFKC", text)
+    if compatible is None:  # (its NFKC would be quadratic: ``unicode_forms``)
+        raise PathRefused("the path holds a run of combining marks longer than any language's")
+    for form in (text, compatible):
         if "/" in form or "\\" in form:
             raise PathRefused("the path holds an encoded / or \\, or a backslash")
         if any(c.isspace() or not c.isprintable() for c in form):

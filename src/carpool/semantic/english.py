@@ -50,6 +50,7 @@ import json
 import re
 import unicodedata
 
+from ..unicode_forms import normal_form
 from .verifier import PACKAGED
 
 __all__ = [
@@ -134,8 +135,12 @@ def vocabulary() -> frozenset[str]:
 
 def reads_english(text: str) -> bool:
     """Whether ``text`` reads as English (see the module's contract)."""
-    # Composed first: "café" decomposed would split into "cafe" and a lone mark.
-    text = unicodedata.normalize("NFC", text)
+    # Composed first: "café" decomposed would split into "cafe" and a lone mark. (A text no
+    # language writes, whose normalization would be quadratic, is none: ``unicode_forms``.)
+    composed = normal_form("NFC", text)
+    if composed is None:
+        return False
+    text = composed
     if not text.isascii() and (
         "¿" in text or "¡" in text or any(_foreign(word) for word in _WORD.findall(text))
     ):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import re
-import unicodedata
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
+
+from ...unicode_forms import normal_form
 
 #: A word: letters, digits, apostrophes and joiners inside (``don't``, ``snake_case``, ``v2.1``);
 #: a run of CJK ideographs counts character by character (Chinese has no spaces).
@@ -64,7 +65,7 @@ def _length(args: tuple[object, ...]) -> int:
 
 def norm(text: str) -> str:
     """NFKC (full-width digits and letters become ASCII), curly quotes made straight."""
-    text = unicodedata.normalize("NFKC", text)
+    text = normal_form("NFKC", text) or text  # (read as sent where it would be quadratic)
     return text.replace("’", "'").replace("‘", "'").replace("“", '"').replace("”", '"')
 
 

@@ -25,13 +25,13 @@ import hashlib
 import os
 import random
 import struct
-import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from ...exact_json import INT_END, INT_MIN
+from ...unicode_forms import normal_form
 
 MIN_ANSWER_WORDS, MAX_ANSWER_WORDS = 8, 40
 # Framing tokens a chat template adds: <|start|> role ... <|end|> per message, and the assistant
@@ -145,7 +145,8 @@ def _by_value(value: Any) -> Any:
     """``value`` with each integral float as the integer it is and each string in NFC (module
     contract)."""
     if isinstance(value, str):
-        return unicodedata.normalize("NFC", value)
+        composed = normal_form("NFC", value)  # (None: read as sent, ``unicode_forms``)
+        return value if composed is None else composed
     if isinstance(value, float):
         # (Within the integers the JSON parser reads as integers, i64 and u64: one outside them is
         # kept a float.)

@@ -1,0 +1,57 @@
+"""Unicode normal forms in linear time (``carpool.unicode_forms``)."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from carpool.canonical import canonical_body
+from carpool.errors import PathRefused
+from carpool.paths import confine
+from carpool.unicode_forms import STREAM_SAFE_RUN, _long_run, normal_form
+
+# Two combining marks of two classes, alternating: out of canonical order, each pair swapped by
+# a normalization, whose sort of a run is quadratic in its length.
+PAIR = "\u0301\u0316"
+
+
+def test_a_text_whose_normalization_would_be_quadratic_is_never_normalized():
+    """One prompt of "a" and 60,000 such marks held the event loop ~12 s, 8 MB of them for
+    hours: a run of non-starters longer than Unicode's stream-safe bound (30) is read as it
+    came, never normalized; a run as long as the bound is normalized."""
+    at_the_bound = "a" + PAIR * (STREAM_SAFE_RUN // 2)
+    assert normal_form("NFC", at_the_bound) == unicodedata.normalize("NFC", at_the_bound)
+    for over in ("a" + PAIR * 16, PAIR * 16, "你好" + PAIR * 500_000 + "x"):
+        assert normal_form("NFC", over) is None and normal_form("NFKC", over) is None
+    assert normal_form("NFC", "cafe\u0301") == "café"
+    assert normal_form("NFKC", "ｆｕｌｌ") == "full"
+
+
+@given(st.text(alphabet="a你\u0301\u0316\u064e", max_size=200))
+def test_a_long_run_is_found_wherever_it_is(text):
+    longest = run = 0
+    for character in text:
+        run = run + 1 if unicodedata.combining(character) else 0
+        longest = max(longest, run)
+    assert _long_run(text) == (longest > STREAM_SAFE_RUN)
+
+
+def test_a_prompt_whose_normalization_would_be_quadratic_is_keyed_as_sent():
+    """Keyed in NFC, such a prompt was sorted on the event loop, every tenant's requests held
+    meanwhile; it is keyed exactly as it came now (its canonical twin is another key)."""
+    adversarial = "a" + PAIR * 1000
+    body = {"model": "m", "messages": [{"role": "user", "content": adversarial}]}
+    assert canonical_body("chat", body, False)["messages"][0]["content"] == adversarial
+    composed = {"model": "m", "messages": [{"role": "user", "content": "cafe\u0301"}]}
+    assert canonical_body("chat", composed, False)["messages"][0]["content"] == "café"
+
+
+def test_a_path_whose_compatibility_form_would_be_quadratic_is_refused():
+    # (Its NFKC is what the confinement checks read: not read, the path is refused.)
+    marks = "".join(f"%{b:02X}" for b in ("a" + PAIR * 16).encode())
+    with pytest.raises(PathRefused, match="combining marks"):
+        confine(f"/v1/files/{marks}".encode())
+    assert confine(b"/v1/files/caf%C3%A9")  # (an accent, normalized, is no refusal)
