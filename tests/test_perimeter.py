@@ -742,6 +742,30 @@ def test_max_json_depth_is_the_deepest_nesting_parse_accepts():
         Config.load(overrides={"limits": {"max_json_depth": 500}}, env={})
 
 
+_CHAT = "/v1/chat/completions"
+_JSON = {"content-type": "application/json"}
+
+
+async def test_a_body_of_more_arrays_and_objects_than_max_json_containers_is_a_400(
+    fake, gateway_with
+):
+    """Bytes alone did not bound what a body costs: 8 MB of ``[[...]]`` (millions of lists,
+    under the depth limit) was parsed, depth-checked and copied on the event loop for 5-9 s,
+    every tenant's requests waiting. More containers than ``limits.max_json_containers`` is a
+    400 before the parse; brackets in a string are text, not counted."""
+    most = 1000
+    async with gateway_with(limits={"max_json_containers": most}) as gw:
+        # (The body's own: the top object, the message list and the message.)
+        over = chat_with(b"[" + b",".join([b"[]"] * (most - 3)) + b"]", "field")
+        refused = await gw.client.post(_CHAT, content=over, headers=_JSON)
+        error = assert_openai_error(refused, 400)
+        assert error["code"] == "too_many_containers" and fake.calls == []
+        within = chat_with(b"[" + b",".join([b"[]"] * (most - 4)) + b"]", "field")
+        assert (await gw.client.post(_CHAT, content=within, headers=_JSON)).status_code == 200
+        text = orjson.dumps({**orjson.loads(chat_with(b"1", "field")), "x": "[{" * 5 * most})
+        assert (await gw.client.post(_CHAT, content=text, headers=_JSON)).status_code == 200
+
+
 async def test_the_admin_invalidate_body_nested_deep_is_a_400(fake, gateway_with):
     async with gateway_with(admin_token=ADMIN) as gw:
         for depth in (300, 900, 1100):

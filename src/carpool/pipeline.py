@@ -254,8 +254,9 @@ class Gateway:
             if answer is not None:
                 return self._served(route, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
         try:
+            limits = self.config.limits
             request = parse(
-                client, self.config.limits.max_body_bytes, self.config.limits.max_json_depth
+                client, limits.max_body_bytes, limits.max_json_depth, limits.max_json_containers
             )
             idempotency_key = parse_key(client.headers)
         except (RequestError, IdempotencyError) as error:

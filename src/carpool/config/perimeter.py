@@ -250,6 +250,15 @@ class LimitsConfig(Section):
         "(`too_deep`). At most 200: the body is re-serialised for the "
         "upstream, and a JSON encoder stops at 255 levels.",
     )
+    max_json_containers: int = Field(
+        100_000,
+        ge=1,
+        description="Most arrays and objects a request body may hold, in all; more gets 400 "
+        "(`too_many_containers`) before it is parsed. Bytes alone do not bound what a body "
+        "costs: 8 MB of `[[...]]` is millions of lists, parsed, checked and copied on the "
+        "event loop (5-9 s, every request waiting). A conversation of thousands of messages, "
+        "2,048 token lists or a deep tool schema hold far fewer.",
+    )
 
 
 class PassthroughConfig(Section):

@@ -127,7 +127,8 @@ def cached_endpoint(
     errors = {
         "400": (
             "The body is not valid JSON, not an object, nested deeper than "
-            "`limits.max_json_depth`, or a field has the wrong type; or a cache-control "
+            "`limits.max_json_depth`, holds more arrays and objects than "
+            "`limits.max_json_containers`, or a field has the wrong type; or a cache-control "
             "header or the Idempotency-Key is malformed (problem+json)."
         ),
         "401": "The request presents no key `auth.client_keys_file` lists (`invalid_api_key`), "
