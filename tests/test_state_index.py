@@ -140,3 +140,29 @@ async def test_a_tag_at_its_bound_lets_only_its_oldest_answer_go():
     assert [key for held in forgotten for key in held.keys] == [f"key-{n}" for n in range(20)]
     assert index.answers(manual) == PER_TAG
     assert set(index.take(manual).keys) == {f"key-{n}" for n in range(20, PER_TAG + 20)}
+
+
+async def test_a_full_tag_never_lets_go_of_the_answer_being_stored():
+    """An answer is indexed twice (its keys before it is put, its semantic entry after), and
+    the oldest key went before any entry: once the keys ran out, each answer's entry took the
+    key just stored, forgotten from the cache as soon as it was put; and an answer indexed
+    under two keys (its own and a shared one) added two, let one go, and the tag grew past
+    its bound. The oldest of keys and entries alike goes now, never what is being added."""
+    index = StateIndex(max_entries=10_000)
+    forgotten: list[Held] = []
+
+    async def evicted(held: Held) -> None:
+        forgotten.append(held)
+
+    index.evicted = evicted
+    tag = state_tag("a", "file-report")
+    for n in range(2 * PER_TAG):
+        index.add([tag], [f"key-{n}", f"shared-{n}"])
+        index.add([tag], entry=n)
+        assert index.answers(tag) <= PER_TAG
+    await asyncio.sleep(0)  # (the forgetting tasks run)
+    gone = {item for held in forgotten for item in (*held.keys, *held.entries)}
+    last = 2 * PER_TAG - 1
+    assert not gone & {f"key-{last}", f"shared-{last}", last}
+    held = index.take(tag)
+    assert {f"key-{last}", f"shared-{last}"} <= set(held.keys) and last in held.entries

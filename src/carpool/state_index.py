@@ -75,12 +75,15 @@ class Held:
     """What one tag's answers are here: exact-cache keys, semantic entries (ids), and the keys
     of the flights whose calls run under it (each with how many calls: ``fly``)."""
 
-    __slots__ = ("entries", "flying", "keys")
+    __slots__ = ("entries", "flying", "keys", "order")
 
     def __init__(self) -> None:
         self.keys: dict[str, None] = {}  # (insertion-ordered, deduplicated)
         self.entries: dict[int, None] = {}
         self.flying: dict[str, int] = {}
+        # Keys (str) and entries (int) together, oldest first: which goes first when the tag
+        # is full (``StateIndex._trim``).
+        self.order: dict[str | int, None] = {}
 
     def __len__(self) -> int:
         """Its answers, as the bounds count them (a call running: one)."""
@@ -107,12 +110,9 @@ class StateIndex:
 
     def add(self, tags: Iterable[str], keys: Iterable[str] = (), entry: int | None = None) -> None:
         keys, tags = tuple(keys), tuple(tags)
+        added: tuple[str | int, ...] = keys if entry is None else (*keys, entry)
         for tag in tags:
             held = self._held.get(tag)
-            if held is not None and len(held) >= PER_TAG:
-                # Full: its oldest answer goes (``_trimmed``) before what is added now (after,
-                # the answer being stored could be forgotten before it is put).
-                held = self._trimmed(tag, held)
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
@@ -121,7 +121,10 @@ class StateIndex:
                 held.keys[key] = None
             if entry is not None:
                 held.entries[entry] = None
+            for item in added:
+                held.order[item] = None
             self._answers += len(held) - before
+            self._trim(held, added)
         self._bound(len(tags))
 
     def fly(self, tags: Iterable[str], key: str) -> list[tuple[str, Held]]:
@@ -133,14 +136,13 @@ class StateIndex:
         tags = tuple(tag for tag in tags if _tombstone(tag) not in self._gone)
         for tag in tags:
             held = self._held.get(tag)
-            if held is not None and len(held) >= PER_TAG:
-                held = self._trimmed(tag, held)  # (as ``add`` does)
             if held is None:
                 held = Held()
                 self._held.put(tag, held)
             before = len(held)
             held.flying[key] = held.flying.get(key, 0) + 1
             self._answers += len(held) - before
+            self._trim(held, ())  # (as ``add`` does)
             flown.append((tag, held))
         self._bound(len(tags))
         return flown
@@ -161,7 +163,7 @@ class StateIndex:
             else:
                 del held.flying[key]
                 if lingers:
-                    held.keys[key] = None
+                    held.keys[key] = held.order[key] = None
             if self._held.peek(tag) is held:
                 self._answers += len(held) - before
 
@@ -185,30 +187,25 @@ class StateIndex:
         self._answers -= len(held)
         return held
 
-    def _trimmed(self, tag: str, held: Held) -> Held | None:
-        """``held``, ``tag``'s, full: its oldest answer (a key, else a semantic entry) let go
-        and forgotten from the layers, the rest kept. (Pushed out whole, a file every request
-        attaches, or a response every request continues, lost all its answers at each
-        ``PER_TAG``-th.) Holding only calls running, it is pushed out whole: None."""
-        oldest = Held()
-        if held.keys:
-            key = next(iter(held.keys))
-            del held.keys[key]
-            oldest.keys[key] = None
-        elif held.entries:
-            entry = next(iter(held.entries))
-            del held.entries[entry]
-            oldest.entries[entry] = None
-        else:
-            self._push_out(tag)
-            return None
-        self._pushed_out(tag, oldest)
-        return held
-
-    def _push_out(self, tag: str) -> None:
-        held = self._held.pop(tag)
-        if held is not None:
-            self._pushed_out(tag, held)
+    def _trim(self, held: Held, added: tuple[str | int, ...]) -> None:
+        """Over ``PER_TAG``, ``held``'s oldest answers (keys and entries alike) let go and
+        forgotten from the layers, never one just ``added`` (the answer being stored), the
+        rest kept. (Pushed out whole, a file every request attaches, or a response every
+        request continues, lost all its answers at each ``PER_TAG``-th.) Calls running are
+        never let go: a tag holding only those and what was just added stays over."""
+        while len(held) > PER_TAG:
+            oldest = next((item for item in held.order if item not in added), None)
+            if oldest is None:
+                return
+            del held.order[oldest]
+            gone = Held()
+            if isinstance(oldest, str):
+                del held.keys[oldest]
+                gone.keys[oldest] = None
+            else:
+                del held.entries[oldest]
+                gone.entries[oldest] = None
+            self._pushed_out("", gone)
 
     def _pushed_out(self, _: str, held: Held) -> None:
         self._answers -= len(held)
