@@ -8,8 +8,10 @@ tenant's requests with it), 8 MB of them for hours, a stop signal unread meanwhi
 Contract:
 - ``normal_form(form, text)``: ``text`` in the normal form ``form`` ("NFC", "NFKC"...), or
   None when it holds a run of more than ``STREAM_SAFE_RUN`` non-starters (Unicode's
-  stream-safe bound, UAX #15: no text of any language needs a longer one). The caller reads
-  such a text as it came (a key exact, no semantic view) or refuses it; never normalized.
+  stream-safe bound, UAX #15: no text of any language needs a longer one), counting the
+  characters of class 0 that decompose into a non-starter first (``DECOMPOSING_TO_MARKS``:
+  Tibetan's U+0F73 is two marks of two classes, sorted as any). The caller reads such a text
+  as it came (a key exact, no semantic view) or refuses it; never normalized.
 - Linear: an ASCII text costs nothing more; another costs one look at about one character in
   ``STREAM_SAFE_RUN + 1`` where runs are short (each character looked at twice at most),
   then the normalization, itself linear on such a text.
@@ -24,6 +26,9 @@ __all__ = ["STREAM_SAFE_RUN", "normal_form"]
 
 # The longest run of non-starters a text may hold and still be normalized (UAX #15).
 STREAM_SAFE_RUN = 30
+# The characters of combining class 0 whose decomposition (canonical or compatibility) begins
+# with a non-starter: a run of them is a run of marks once decomposed (tested to be all).
+DECOMPOSING_TO_MARKS = "\u0f73\u0f75\u0f81\uff9e\uff9f"
 
 
 def normal_form(form: str, text: str) -> str | None:
@@ -40,18 +45,25 @@ def _long_run(text: str) -> bool:
     """Whether ``text`` holds more than ``STREAM_SAFE_RUN`` non-starters in a row. A run that
     long covers every ``STREAM_SAFE_RUN + 1``-th character: only those are looked at, and
     around the ones that are non-starters, back to where their run begins."""
+    # (``combining`` alone, in C, unless one of the few that decompose into marks is there.)
+    nonstarter = _nonstarter if any(c in text for c in DECOMPOSING_TO_MARKS) else combining
     span = STREAM_SAFE_RUN + 1
-    if not any(map(combining, text[span - 1 :: span])):
-        return False  # (the common case, looked at in C: none of those is a non-starter)
+    if not any(map(nonstarter, text[span - 1 :: span])):
+        return False  # (the common case: none of those is a non-starter)
     at = span - 1
     while at < len(text):
-        if not combining(text[at]):
+        if not nonstarter(text[at]):
             at += span  # (no run of ``span`` holds it: the next may end ``span`` further on)
             continue
         begins = at
-        while begins > at - span + 1 and combining(text[begins - 1]):
+        while begins > at - span + 1 and nonstarter(text[begins - 1]):
             begins -= 1
         if begins == at - span + 1:
             return True  # (``span`` non-starters, ending at ``at``)
         at = begins - 1 + span  # (a run of ``span`` begins after ``begins - 1``)
     return False
+
+
+def _nonstarter(character: str) -> bool:
+    """Whether ``character`` is, or decomposes into, a non-starter first."""
+    return bool(combining(character)) or character in DECOMPOSING_TO_MARKS

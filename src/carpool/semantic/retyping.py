@@ -24,6 +24,8 @@ import functools
 import re
 import unicodedata
 
+from ..unicode_forms import normal_form
+
 __all__ = ["CLOSE_CONTEXT", "FUNCTION_WORDS", "UNREAD", "close", "retyped", "unseen_difference"]
 
 
@@ -158,7 +160,7 @@ def _unseen(text: str) -> str:
     if text.isascii():
         return text.lower()
     kept = "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
-    decomposed = unicodedata.normalize("NFD", kept)
+    decomposed = normal_form("NFD", kept) or kept  # (as it came where that is quadratic)
     return "".join(ch for ch in decomposed if unicodedata.category(ch) != "Mn").lower()
 
 
