@@ -263,8 +263,10 @@ def check_json_depth(raw: bytes, value: Any, max_depth: int) -> None:
                 stack.append((child, depth + 1))
 
 
-# A JSON string, escapes and all (unrolled: no alternation tried at each character).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string, escapes and all (unrolled: no alternation tried at each character), or what
+# is left of the text from an opening quote that none closes: every match found, none tried
+# again from each quote inside it (an unclosed run of \" pairs took quadratic time).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 
 
 def check_json_containers(raw: bytes, most: int) -> None:
