@@ -166,3 +166,24 @@ async def test_a_full_tag_never_lets_go_of_the_answer_being_stored():
     assert not gone & {f"key-{last}", f"shared-{last}", last}
     held = index.take(tag)
     assert {f"key-{last}", f"shared-{last}"} <= set(held.keys) and last in held.entries
+
+
+async def test_an_answer_stored_again_is_the_newest_of_its_full_tag():
+    """An answer stored again (its entry expired, evicted by the cache's bound, asked with
+    no-cache) kept its first place, the oldest: its semantic entry's index let its key go,
+    forgotten from the cache as soon as it was put again."""
+    index = StateIndex(max_entries=10_000)
+    forgotten: list[Held] = []
+
+    async def evicted(held: Held) -> None:
+        forgotten.append(held)
+
+    index.evicted = evicted
+    tag = state_tag("a", "file-report")
+    for n in range(PER_TAG):
+        index.add([tag], [f"key-{n}"])
+    index.add([tag], ["key-0"])  # (stored again)
+    index.add([tag], entry=1)
+    await asyncio.sleep(0)
+    assert [key for held in forgotten for key in held.keys] == ["key-1"]
+    assert "key-0" in index.take(tag).keys

@@ -121,7 +121,8 @@ class StateIndex:
                 held.keys[key] = None
             if entry is not None:
                 held.entries[entry] = None
-            for item in added:
+            for item in added:  # (the newest, if added again: its answer stored again)
+                held.order.pop(item, None)
                 held.order[item] = None
             self._answers += len(held) - before
             self._trim(held, added)
@@ -163,6 +164,7 @@ class StateIndex:
             else:
                 del held.flying[key]
                 if lingers:
+                    held.order.pop(key, None)
                     held.keys[key] = held.order[key] = None
             if self._held.peek(tag) is held:
                 self._answers += len(held) - before
