@@ -77,3 +77,13 @@ def test_characters_that_decompose_into_marks_count_in_a_run():
     assert normal_form("NFC", "a" + "\u0f73" * (STREAM_SAFE_RUN + 1)) is None
     halfwidth = "ﾊﾟﾋﾟﾌﾟ ﾃﾞｽ"  # (a voiced mark after each letter: short runs, normalized)
     assert normal_form("NFKC", halfwidth) == unicodedata.normalize("NFKC", halfwidth)
+
+
+def test_a_kept_prompt_prefix_is_never_normalized_in_quadratic_time():
+    # (Every miss keeps its prompt's first characters, NFC: 4,095 U+0F73 are 8,190 marks
+    # sorted, ~50 ms of the event loop a request.)
+    from carpool.store.base import PROMPT_PREFIX_CHARS, prompt_text
+
+    prompt = "a" + "\u0f73" * 4095
+    assert prompt_text(prompt) == prompt[:PROMPT_PREFIX_CHARS]
+    assert prompt_text("cafe\u0301") == "café"
