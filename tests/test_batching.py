@@ -851,6 +851,24 @@ async def test_the_list_checks_verdicts_are_bounded_the_least_recently_used_forg
     assert lists.verdict(groups[5]) is True
 
 
+async def test_one_identitys_groups_never_push_out_another_identitys_verdict() -> None:
+    """The verdicts were one LRU for every identity: a tenant sending templates of its own
+    (an unknown field each, 4,097 pairs in 49 s) pushed out another's verdict, whose batches
+    were sent item by item again and paid a probe again (three calls). Each identity's count
+    is its share now: the one making groups forgets its own."""
+    lists = ListCheck("auto", [Replica()], max_groups=4)
+    quiet = (GROUP[0], (("authorization", "Bearer quiet"),), GROUP[2], "", "text")
+    lists.probe(quiet)
+    await lists.wait_idle()
+    assert lists.verdict(quiet) is True
+    for i in range(6):
+        loud = (GROUP[0], GROUP[1], orjson.dumps({"model": "m", f"x{i}": 1}), "", "text")
+        lists.probe(loud)
+        await lists.wait_idle()
+    assert lists.verdict(quiet) is True
+    assert lists.stats()["groups"] == 4
+
+
 def client_headers(i: int) -> dict[str, str]:
     """Forwarded headers that change no answer (so they split no batch), each client's own."""
     return {

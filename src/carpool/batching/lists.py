@@ -23,8 +23,10 @@ Contract
   that cannot decide (a single answered non-2xx, a transport failure, a 5xx) is tried again
   after ``retry_s``. Verdicts are kept per replica, for at most ``max_groups`` groups (the
   least recently asked forgotten: a group is a body template and an identity, the clients' to
-  vary, so it is probed again if it comes back), the identity as a digest (the raw credentials
-  are never kept). Probes run in the
+  vary, so it is probed again if it comes back), shared fairly between identities
+  (``idempotency.finished``: one making groups faster than the others forgets its own, never
+  a quieter one's, which would lose its merging and pay a probe again), the identity as a
+  digest (the raw credentials are never kept). Probes run in the
   background (``probe(group)``, at most one per replica and group at a time), started by the
   first batch of two or more items that could not be merged; their answers never reach a
   client. ``aclose()`` cancels those still running; ``wait_idle()`` waits for them.
@@ -40,17 +42,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import math
 import struct
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import orjson
 
 from carpool import exact_json
+from carpool.idempotency.finished import Finished, by_count
 from carpool.identity import pairs_digest
-from carpool.lru import LRU
 from carpool.upstream.base import UpstreamRequest, UpstreamResponse
 
 __all__ = [
@@ -113,23 +116,32 @@ class ListCheck:
         self.retry_s = retry_s
         self.clock = clock
         slots = max_groups * max(1, len(self.upstreams))  # (one per replica and group)
-        self._verdicts: LRU[tuple[int, Hashable], bool] = LRU(max_entries=slots)
-        self._retry_at: LRU[tuple[int, Hashable], float] = LRU(max_entries=slots)
-        self._probes: dict[tuple[int, Hashable], asyncio.Task[None]] = {}
+        # Each slot "<identity>\n<group>\n<replica>": the identity first, whose share it
+        # counts in (``by_count``: the part before the first newline).
+        self._verdicts: Finished[bool] = by_count(slots)
+        self._retry_at: Finished[float] = by_count(slots)
+        self._probes: dict[str, asyncio.Task[None]] = {}
         self.probes = 0  # probes run (each: three upstream calls)
 
     @staticmethod
-    def _key(group: Any) -> Hashable:
+    def _key(group: Any) -> str:
         path, identity, template, query, kind = group
         # Who asks too: the credentials and answer-changing headers may pick another engine
         # (a router's deployment, a tenant's own backend), whose lists may be answered wrongly.
-        return path, _digest(identity), template, query, kind
+        what = hashlib.blake2b(repr((path, template, query, kind)).encode(), digest_size=16)
+        return f"{_digest(identity).hex()}\n{what.hexdigest()}"
 
     def verdict(self, group: Any) -> bool | None:
         if self.mode != "auto":
             return self.mode == "on"
         key = self._key(group)
-        found = [self._verdicts.get((i, key)) for i in range(len(self.upstreams))]  # (used)
+        found = []
+        for i in range(len(self.upstreams)):
+            slot = f"{key}\n{i}"
+            known = self._verdicts.peek(slot)
+            if known is not None:
+                self._verdicts.put(slot, known)  # (used: the newest of its identity's)
+            found.append(known)
         if False in found:
             return False
         return True if found and all(found) else None
@@ -140,7 +152,7 @@ class ListCheck:
             return
         key, now = self._key(group), self.clock()
         for i, upstream in enumerate(self.upstreams):
-            slot = (i, key)
+            slot = f"{key}\n{i}"
             retry_at = self._retry_at.peek(slot)
             if (
                 slot in self._verdicts
@@ -151,7 +163,7 @@ class ListCheck:
             task = asyncio.get_running_loop().create_task(self._probe(slot, upstream, group))
             self._probes[slot] = task
 
-    async def _probe(self, slot: tuple[int, Hashable], upstream: Replica, group: Any) -> None:
+    async def _probe(self, slot: str, upstream: Replica, group: Any) -> None:
         self.probes += 1
         try:
             verdict = await probe_lists(upstream, group)
@@ -163,11 +175,11 @@ class ListCheck:
             self._verdicts.put(slot, verdict)
 
     def stats(self) -> dict[str, Any]:
-        verdicts = [verdict for _, verdict in self._verdicts.items()]
+        verdicts = [self._verdicts.peek(slot) for slot in self._verdicts]
         return {
             "mode": self.mode,
             "probes": self.probes,
-            "groups": len({key for _, key in self._verdicts}),
+            "groups": len({slot.rsplit("\n", 1)[0] for slot in self._verdicts}),
             "lists_right": verdicts.count(True),
             "lists_wrong": verdicts.count(False),
         }
