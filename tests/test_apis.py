@@ -977,6 +977,18 @@ async def test_a_timed_out_upstream_on_messages_is_anthropics_timeout_error(fake
     assert response.json()["error"]["type"] == "timeout_error"
 
 
+def test_the_gateways_own_overload_on_messages_is_anthropics_overloaded_error():
+    """Its 503s that say "try again" (no connection to be had, the pool held past its wait, a
+    shutdown's cut) were ``api_error``, Anthropic's internal failure; Anthropic says overload
+    with ``overloaded_error``."""
+    from carpool.apis.messages import MessagesApi
+    from carpool.errors import GatewayOverloaded, ShuttingDown, UpstreamBusy
+
+    for error in (GatewayOverloaded("no port"), UpstreamBusy("r0"), ShuttingDown()):
+        body = orjson.loads(MessagesApi().error_body(error))
+        assert body["error"]["type"] == "overloaded_error", error
+
+
 @BOTH
 async def test_the_simulator_serves_each_api_through_the_gateway_streaming_or_not(kind):
     """The embedded simulated engine serves both APIs: the gateway stores its answer (a repeat is

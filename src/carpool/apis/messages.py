@@ -50,7 +50,8 @@ Contract (``apis.base.Api``):
 - Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (the type
   from the status: ``invalid_request_error``, ``authentication_error``, ``billing_error``,
   ``permission_error``, ``not_found_error``, ``request_too_large``, ``rate_limit_error``,
-  ``timeout_error`` (504: the upstream timed out), ``overloaded_error``, else ``api_error``);
+  ``timeout_error`` (504: the upstream timed out), ``overloaded_error`` (529, and the
+  gateway's own 503s: overloaded, shutting down), else ``api_error``);
   an upstream's error passes through as it came, and idempotency problems stay problem+json.
   A failed stream ends with ``event: error`` carrying the same shape (the SDK raises on it).
 """
@@ -62,7 +63,14 @@ from typing import Any
 import orjson
 
 from .. import exact_json
-from ..errors import CarpoolError, RequestError, UpstreamStatusError, UpstreamStreamBroken
+from ..errors import (
+    CarpoolError,
+    GatewayOverloaded,
+    RequestError,
+    ShuttingDown,
+    UpstreamStatusError,
+    UpstreamStreamBroken,
+)
 from ..sse import event_frame
 from .base import (
     TypedApi,
@@ -222,7 +230,10 @@ def _error_object(error: CarpoolError) -> dict[str, Any]:
         if isinstance(upstream.get("type"), str) and isinstance(upstream.get("message"), str):
             return upstream
     # (The client's own error is never Anthropic's ``api_error``, its internal failure: a
-    # transfer coding refused is a 501, RFC 9112's status, and the request's fault.)
+    # transfer coding refused is a 501, RFC 9112's status, and the request's fault. The
+    # gateway's own 503s that say "try again", overloaded or stopping, are Anthropic's overload.)
+    if isinstance(error, (GatewayOverloaded, ShuttingDown)):
+        return {"type": "overloaded_error", "message": error.message}
     client = 400 <= error.status < 500 or isinstance(error, RequestError)
     return {
         "type": _ERROR_TYPES.get(error.status, "invalid_request_error" if client else "api_error"),
