@@ -1223,3 +1223,15 @@ async def test_a_merged_answer_not_json_for_no_number_is_a_502_for_all_in_one_ca
     )
     assert all(getattr(r, "status", None) == 502 for r in results)
     assert len(calls) == 1 and batcher.stats()["alone"] == 0
+
+
+async def test_a_verdict_is_never_taken_for_another_group_under_the_same_slot() -> None:
+    """The slots are named by the group's hash: a record holds its group, and one found under
+    a slot is another group's unless the group is the same (never its merging taken)."""
+    lists = ListCheck("auto", [Replica()], max_groups=4)
+    lists.probe(GROUP)
+    await lists.wait_idle()
+    other = (GROUP[0], GROUP[1], orjson.dumps({"model": "another"}), "", "text")
+    stem = lists._key(GROUP)[0]
+    lists._key = lambda group: (stem, lists.__class__._key(group)[1])  # type: ignore[method-assign]
+    assert lists.verdict(GROUP) is True and lists.verdict(other) is None
