@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import unicodedata
 
@@ -31,14 +32,22 @@ def test_a_text_whose_normalization_would_be_quadratic_is_never_normalized():
     assert normal_form("NFKC", "ｆｕｌｌ") == "full"
 
 
-@given(st.text(alphabet="a你\u0301\u0316\u064e\u0f73\uff9e", max_size=200))
+MARKS = "\u0301\u0316\u064e\u0f73\uff9e"
+
+
+@given(st.text(alphabet="a你" + MARKS, max_size=200))
 def test_a_long_run_is_found_wherever_it_is(text):
     longest = run = 0
     for character in text:
         marks = unicodedata.combining(character) or character in DECOMPOSING_TO_MARKS
         run = run + 1 if marks else 0
         longest = max(longest, run)
-    assert _long_run(text) == (longest > STREAM_SAFE_RUN)
+    begins = _long_run(text)
+    assert (begins >= 0) == (longest > STREAM_SAFE_RUN)
+    if begins >= 0:  # (where the first such run begins)
+        run = len(text[begins:]) - len(text[begins:].lstrip(MARKS))
+        assert run > STREAM_SAFE_RUN and (begins == 0 or text[begins - 1] not in MARKS)
+        assert all(len(r) <= STREAM_SAFE_RUN for r in re.split(f"[^{MARKS}]", text[:begins]))
 
 
 def test_a_prompt_whose_normalization_would_be_quadratic_is_keyed_as_sent():
@@ -87,3 +96,13 @@ def test_a_kept_prompt_prefix_is_never_normalized_in_quadratic_time():
     prompt = "a" + "\u0f73" * 4095
     assert prompt_text(prompt) == prompt[:PROMPT_PREFIX_CHARS]
     assert prompt_text("cafe\u0301") == "café"
+
+
+def test_an_invalidation_by_prefix_drops_a_prompt_holding_a_long_run_after_it():
+    """A kept prompt prefix holding a long run was kept all as sent, its start not composed,
+    while a selector, short, was composed: "Cafe\u0301 menu" never matched "Café menu". The
+    prefix is normalized up to the run now."""
+    from carpool.store.base import prompt_text
+
+    prompt = "Cafe\u0301 menu: a" + "\u0301" * 40
+    assert prompt_text(prompt).startswith(prompt_text("Cafe\u0301 menu: "))

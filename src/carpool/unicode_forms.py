@@ -22,7 +22,7 @@ from __future__ import annotations
 import unicodedata
 from unicodedata import combining
 
-__all__ = ["STREAM_SAFE_RUN", "normal_form"]
+__all__ = ["STREAM_SAFE_RUN", "normal_form", "normal_form_before_run"]
 
 # The longest run of non-starters a text may hold and still be normalized (UAX #15).
 STREAM_SAFE_RUN = 30
@@ -36,32 +36,49 @@ def normal_form(form: str, text: str) -> str | None:
     contract)."""
     if text.isascii():
         return text
-    if _long_run(text):
+    if _long_run(text) >= 0:
         return None
     return unicodedata.normalize(form, text)  # type: ignore[arg-type]
 
 
-def _long_run(text: str) -> bool:
-    """Whether ``text`` holds more than ``STREAM_SAFE_RUN`` non-starters in a row. A run that
-    long covers every ``STREAM_SAFE_RUN + 1``-th character: only those are looked at, and
-    around the ones that are non-starters, back to where their run begins."""
+def normal_form_before_run(form: str, text: str) -> str:
+    """``text`` in normal form ``form`` up to the character before its first long run, as it
+    came from there (all of it normalized if it holds none): a prefix of it that ends before
+    the run is in the form it has here (an invalidation's selector matches the prompts kept)."""
+    if text.isascii():
+        return text
+    begins = _long_run(text)
+    if begins < 0:
+        return unicodedata.normalize(form, text)  # type: ignore[arg-type]
+    head = max(0, begins - 1)  # (the starter the run's marks sit on goes with them)
+    return unicodedata.normalize(form, text[:head]) + text[head:]  # type: ignore[arg-type]
+
+
+def _long_run(text: str) -> int:
+    """Where ``text``'s first run of more than ``STREAM_SAFE_RUN`` non-starters begins, or -1.
+    A run that long covers every ``STREAM_SAFE_RUN + 1``-th character: only those are looked
+    at, and around the ones that are non-starters, back to where their run begins."""
     # (``combining`` alone, in C, unless one of the few that decompose into marks is there.)
     nonstarter = _nonstarter if any(c in text for c in DECOMPOSING_TO_MARKS) else combining
     span = STREAM_SAFE_RUN + 1
     if not any(map(nonstarter, text[span - 1 :: span])):
-        return False  # (the common case: none of those is a non-starter)
+        return -1  # (the common case: none of those is a non-starter)
     at = span - 1
     while at < len(text):
         if not nonstarter(text[at]):
             at += span  # (no run of ``span`` holds it: the next may end ``span`` further on)
             continue
         begins = at
-        while begins > at - span + 1 and nonstarter(text[begins - 1]):
+        while begins > 0 and nonstarter(text[begins - 1]):
             begins -= 1
-        if begins == at - span + 1:
-            return True  # (``span`` non-starters, ending at ``at``)
+            if begins == at - span + 1:
+                # (``span`` non-starters, ending at ``at``: the first such run, whose start
+                # is looked for further back)
+                while begins > 0 and nonstarter(text[begins - 1]):
+                    begins -= 1
+                return begins
         at = begins - 1 + span  # (a run of ``span`` begins after ``begins - 1``)
-    return False
+    return -1
 
 
 def _nonstarter(character: str) -> bool:

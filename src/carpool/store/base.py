@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from ..answer import Answer
 from ..errors import CarpoolError
 from ..lru import held
-from ..unicode_forms import normal_form
+from ..unicode_forms import normal_form_before_run
 
 # Every Answer has its own dict for the frames it synthesizes once (``Answer.sse``): counted as
 # the empty dict it is when stored (what fills it later is ``synthesized_held``'s: the memory
@@ -53,9 +53,8 @@ def prompt_text(text: str) -> str:
     # (Cut before it is normalized: NFC of an 8 MB prompt took ~80 ms of the event loop. The
     # first 1,024 characters of the NFC come from the first 4,096 of the text unless one of
     # them carries thousands of combining marks.)
-    cut = text[: 4 * PROMPT_PREFIX_CHARS]
-    # (As sent where its normalization would be quadratic, as the key takes it: ``unicode_forms``.)
-    return (normal_form("NFC", cut) or cut)[:PROMPT_PREFIX_CHARS]
+    # (From a long run on as sent, where its normalization would be quadratic: ``unicode_forms``.)
+    return normal_form_before_run("NFC", text[: 4 * PROMPT_PREFIX_CHARS])[:PROMPT_PREFIX_CHARS]
 
 
 def state_tag(tenant: str, state_id: str) -> str:
