@@ -8,18 +8,24 @@ from carpool.state_index import PER_TAG, Held, StateIndex
 from carpool.store.base import state_tag
 
 
-async def test_one_response_continued_by_every_request_holds_a_bounded_list():
-    """Each continuation of one stored response was added under its tag, which every add made
-    the most recent: the tags were bounded, the keys under that one were not (each long gone
-    from the cache). A tag holding ``PER_TAG`` answers lets its oldest go (forgotten) for
-    each one added, which stays indexed."""
-    index = StateIndex(max_entries=100)
+def _recording(max_entries: int) -> tuple[StateIndex, list[Held]]:
+    """An index of ``max_entries`` tags and what its ``evicted`` is handed to forget."""
+    index = StateIndex(max_entries=max_entries)
     forgotten: list[Held] = []
 
     async def evicted(held: Held) -> None:
         forgotten.append(held)
 
     index.evicted = evicted
+    return index, forgotten
+
+
+async def test_one_response_continued_by_every_request_holds_a_bounded_list():
+    """Each continuation of one stored response was added under its tag, which every add made
+    the most recent: the tags were bounded, the keys under that one were not (each long gone
+    from the cache). A tag holding ``PER_TAG`` answers lets its oldest go (forgotten) for
+    each one added, which stays indexed."""
+    index, forgotten = _recording(100)
     for n in range(5 * PER_TAG):
         index.add(["\nstate P", f"\nstate R{n}"], [f"key-{n}"])
         assert index.answers("\nstate P") <= PER_TAG
@@ -47,13 +53,7 @@ async def test_one_tenants_deletions_never_push_out_another_tenants_deleted_resp
 
 
 async def test_the_answers_under_every_tag_are_bounded_and_the_tags_just_added_stay():
-    index = StateIndex(max_entries=10)
-    forgotten: list[Held] = []
-
-    async def evicted(held: Held) -> None:
-        forgotten.append(held)
-
-    index.evicted = evicted
+    index, forgotten = _recording(10)
     for n in range(200):  # two tags an answer, each tag a few answers
         index.add([f"\nstate A{n % 7}", f"\nstate B{n}"], [f"key-{n}"])
         assert sum(index.answers(f"\nstate A{t}") for t in range(7)) <= 2 * 10
@@ -84,13 +84,7 @@ async def test_a_call_indexed_while_it_runs_leaves_nothing_once_it_ends_unkept()
 
 
 async def test_calls_running_count_in_the_bounds_and_are_shut_when_pushed_out():
-    index = StateIndex(max_entries=10)
-    forgotten: list[Held] = []
-
-    async def evicted(held: Held) -> None:
-        forgotten.append(held)
-
-    index.evicted = evicted
+    index, forgotten = _recording(10)
     running = [index.fly([f"\nstate R{n}"], f"key-{n}") for n in range(100)]
     assert len(index) <= 10 and sum(index.answers(f"\nstate R{n}") for n in range(100)) <= 20
     await asyncio.sleep(0)
@@ -126,13 +120,7 @@ async def test_a_tag_at_its_bound_lets_only_its_oldest_answer_go():
     whole at ``PER_TAG`` answers, the tag took all of them from every layer at each 1,024th
     question, and every one was a miss again. Its oldest goes for each one added now; a
     DELETE still takes every answer it holds."""
-    index = StateIndex(max_entries=100)
-    forgotten: list[Held] = []
-
-    async def evicted(held: Held) -> None:
-        forgotten.append(held)
-
-    index.evicted = evicted
+    index, forgotten = _recording(100)
     manual = state_tag("a", "file-manual")
     for n in range(PER_TAG + 20):
         index.add([manual], [f"key-{n}"])
@@ -148,13 +136,7 @@ async def test_a_full_tag_never_lets_go_of_the_answer_being_stored():
     key just stored, forgotten from the cache as soon as it was put; and an answer indexed
     under two keys (its own and a shared one) added two, let one go, and the tag grew past
     its bound. The oldest of keys and entries alike goes now, never what is being added."""
-    index = StateIndex(max_entries=10_000)
-    forgotten: list[Held] = []
-
-    async def evicted(held: Held) -> None:
-        forgotten.append(held)
-
-    index.evicted = evicted
+    index, forgotten = _recording(10_000)
     tag = state_tag("a", "file-report")
     for n in range(2 * PER_TAG):
         index.add([tag], [f"key-{n}", f"shared-{n}"])
@@ -172,13 +154,7 @@ async def test_an_answer_stored_again_is_the_newest_of_its_full_tag():
     """An answer stored again (its entry expired, evicted by the cache's bound, asked with
     no-cache) kept its first place, the oldest: its semantic entry's index let its key go,
     forgotten from the cache as soon as it was put again."""
-    index = StateIndex(max_entries=10_000)
-    forgotten: list[Held] = []
-
-    async def evicted(held: Held) -> None:
-        forgotten.append(held)
-
-    index.evicted = evicted
+    index, forgotten = _recording(10_000)
     tag = state_tag("a", "file-report")
     for n in range(PER_TAG):
         index.add([tag], [f"key-{n}"])
