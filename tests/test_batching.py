@@ -1225,13 +1225,28 @@ async def test_a_merged_answer_not_json_for_no_number_is_a_502_for_all_in_one_ca
     assert len(calls) == 1 and batcher.stats()["alone"] == 0
 
 
-async def test_a_verdict_is_never_taken_for_another_group_under_the_same_slot() -> None:
-    """The slots are named by the group's hash: a record holds its group, and one found under
-    a slot is another group's unless the group is the same (never its merging taken)."""
-    lists = ListCheck("auto", [Replica()], max_groups=4)
-    lists.probe(GROUP)
-    await lists.wait_idle()
-    other = (GROUP[0], GROUP[1], orjson.dumps({"model": "another"}), "", "text")
-    stem = lists._key(GROUP)[0]
-    lists._key = lambda group: (stem, lists.__class__._key(group)[1])  # type: ignore[method-assign]
-    assert lists.verdict(GROUP) is True and lists.verdict(other) is None
+async def test_the_list_checks_verdicts_keep_no_clients_template() -> None:
+    """A verdict's record held its group's body template (a client's, up to a body's size),
+    under a bound by count only: 64 groups of 1 MiB held 64 MiB for good. A slot is named by
+    the group's hash now, and holds a verdict alone."""
+    import gc
+    import tracemalloc
+
+    class Refusing:  # (keeps nothing of what it is asked: every probe undecided, kept)
+        async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+            return UpstreamResponse(400, {}, b'{"error": {"message": "no"}}')
+
+    lists = ListCheck("auto", [Refusing()], max_groups=64)
+    tracemalloc.start()
+    try:
+        for i in range(64):
+            template = orjson.dumps({"model": "m", "x": f"{i}" + "a" * (1 << 20)})
+            lists.probe((GROUP[0], GROUP[1], template, "", "text"))
+            await lists.wait_idle()
+            del template
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert lists.stats()["probes"] == 64
+    assert held < 8 << 20, held
