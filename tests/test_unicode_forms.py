@@ -106,3 +106,7 @@ def test_an_invalidation_by_prefix_drops_a_prompt_holding_a_long_run_after_it():
 
     prompt = "Cafe\u0301 menu: a" + "\u0301" * 40
     assert prompt_text(prompt).startswith(prompt_text("Cafe\u0301 menu: "))
+    # (Characters the normalization joins to the run's starter go with it: Hangul's jamo, an
+    # Indic two-part vowel.)
+    for before in ("\u1100\u1161", "x\u0b47\u0b3e"):
+        assert prompt_text(before + "\u0301" * 40).startswith(prompt_text(before))

@@ -42,16 +42,18 @@ def normal_form(form: str, text: str) -> str | None:
 
 
 def normal_form_before_run(form: str, text: str) -> str:
-    """``text`` in normal form ``form`` up to the character before its first long run, as it
-    came from there (all of it normalized if it holds none): a prefix of it that ends before
-    the run is in the form it has here (an invalidation's selector matches the prompts kept)."""
+    """``text`` in normal form ``form`` up to its first long run, the run as it came and what
+    follows (all of it normalized if it holds none): a prefix of it that ends before the run
+    is in the form it has here (an invalidation's selector matches the prompts kept)."""
     if text.isascii():
         return text
     begins = _long_run(text)
     if begins < 0:
         return unicodedata.normalize(form, text)  # type: ignore[arg-type]
-    head = max(0, begins - 1)  # (the starter the run's marks sit on goes with them)
-    return unicodedata.normalize(form, text[:head]) + text[head:]  # type: ignore[arg-type]
+    # (The starter the run's marks sit on is normalized with what comes before it, as a
+    # selector ending there is: cut before it, Hangul's jamo or an Indic two-part vowel it
+    # joins were left apart here and joined there.)
+    return unicodedata.normalize(form, text[:begins]) + text[begins:]  # type: ignore[arg-type]
 
 
 def _long_run(text: str) -> int:
