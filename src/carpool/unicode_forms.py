@@ -70,15 +70,13 @@ def _long_run(text: str) -> int:
         if not nonstarter(text[at]):
             at += span  # (no run of ``span`` holds it: the next may end ``span`` further on)
             continue
+        # Back to where its run begins: shorter than ``span`` unless it is the first such run
+        # (every character looked at twice at most).
         begins = at
         while begins > 0 and nonstarter(text[begins - 1]):
             begins -= 1
-            if begins == at - span + 1:
-                # (``span`` non-starters, ending at ``at``: the first such run, whose start
-                # is looked for further back)
-                while begins > 0 and nonstarter(text[begins - 1]):
-                    begins -= 1
-                return begins
+        if at - begins + 1 >= span:
+            return begins
         at = begins - 1 + span  # (a run of ``span`` begins after ``begins - 1``)
     return -1
 
