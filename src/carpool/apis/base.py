@@ -402,10 +402,9 @@ _PRESET_MODEL = "@preset/"
 
 def _names_account_config(body: dict[str, Any]) -> bool:
     """Whether ``body`` names a template, preset or context cache of the account's."""
-    model = body.get("model")
-    if isinstance(model, str) and _PRESET_MODEL in model:
-        return True
-    if any(body.get(name) is not None for name in ("preset", "prompt_id", "cached_content")):
+    if _names_preset(body) or any(
+        body.get(name) is not None for name in ("prompt_id", "cached_content")
+    ):
         return True
     extra = body.get("extra_body")
     google = extra.get("google") if isinstance(extra, dict) else None
@@ -417,12 +416,17 @@ def latest_template(body: dict[str, Any]) -> str | None:
     place (an OpenRouter preset: its designated version, whichever that is now; a LiteLLM
     ``prompt_id`` without a ``prompt_version``), as a Responses stored ``prompt`` without a
     ``version``: two identical requests need not read the same template. Else None."""
-    model = body.get("model")
-    if (isinstance(model, str) and _PRESET_MODEL in model) or body.get("preset") is not None:
+    if _names_preset(body):
         return "prompt_latest"
     if body.get("prompt_id") is not None and body.get("prompt_version") is None:
         return "prompt_latest"
     return None
+
+
+def _names_preset(body: dict[str, Any]) -> bool:
+    """Whether ``body`` names an OpenRouter preset: by its model or its ``preset`` field."""
+    model = body.get("model")
+    return (isinstance(model, str) and _PRESET_MODEL in model) or body.get("preset") is not None
 
 
 def _names_state(item: Any) -> bool:
