@@ -754,15 +754,18 @@ async def _served(
             yield served, gateway, client
 
 
-async def _first_then_gone(served: ServedApp, body: dict, fake, *, streamed: bool):
+async def _first_then_gone(
+    served: ServedApp, body: dict, fake, *, streamed: bool, path: str = CHAT
+):
     """Sends the first keyed request on a connection of its own; returns, once its answer is
     under way (streamed: its head and first words sent), its writer (kept: collected, it closes
     the connection) and the server's side of that connection."""
     payload = orjson.dumps(body)
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-        b'idempotency-key: "order-42"\r\ncontent-length: %d\r\n\r\n' % len(payload) + payload
+        b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n" % path.encode()
+        + b'idempotency-key: "order-42"\r\ncontent-length: %d\r\n\r\n' % len(payload)
+        + payload
     )
     if streamed:
         assert (await reader.readline()).startswith(b"HTTP/1.1 200")
@@ -866,6 +869,34 @@ async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_a
         await eventually(lambda: _runs(gateway) == 0, what="its record settled")
         retry = await client.post(CHAT, json=body, headers=KEY)
     assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
+    assert (fake.count(), fake.cancelled) == (1, 0)
+
+
+@pytest.mark.parametrize("records", ["memory", "redis"])
+async def test_a_keyed_background_response_whose_client_left_is_finished_and_replayed(
+    fake, records, request
+):
+    """A background response runs on upstream whether its client stays or not (the client
+    resumes its stream by the response's id): a keyed one is kept going when its client
+    leaves, as with ``coalesce.finish_abandoned``, and its retry replays it. (Before, its
+    record was dropped with its client, and the retry started a second background job.)"""
+    config = {"idempotency": {"on_conflict": "wait"}, **idempotency_settings(records, request)}
+    body = {"model": "m", "input": "hi", "background": True, "stream": True}
+    async with _served(fake, **config) as (served, gateway, client):
+        gate = _answer_held(fake, streamed=True)
+        writer, first = await _first_then_gone(
+            served, body, fake, streamed=True, path="/v1/responses"
+        )
+        writer.transport.abort()  # (the first client's connection drops; no retry waits)
+        await eventually(
+            lambda: first not in served.server.server_state.connections, what="the first gone"
+        )
+        gate.set()
+        await eventually(lambda: fake.completed + fake.cancelled == 1, what="the first run's end")
+        await eventually(lambda: _runs(gateway) == 0, what="its record settled")
+        retry = await client.post("/v1/responses", json=body, headers=KEY)
+    assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
+    assert "response.completed" in retry.text
     assert (fake.count(), fake.cancelled) == (1, 0)
 
 

@@ -99,6 +99,12 @@ class Api:
         for ``bypass``), or None. (Each API's adds its own reasons to these.)"""
         return latest_template(body)
 
+    def runs_detached(self, body: dict[str, Any]) -> bool:
+        """Whether the upstream runs the request to its end whether its client stays or not
+        (a Responses ``background`` job, resumed by its id): a keyed one is then finished and
+        kept when its client leaves (``idempotency.once``), or its retry runs it again."""
+        return False
+
     def tenant_bound(self, body: dict[str, Any]) -> bool:
         """Whether the request or its answer names state the upstream keeps for the requester's
         own tenant (a stored answer's id, an uploaded file, an earlier response): then it is

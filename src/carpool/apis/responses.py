@@ -113,6 +113,9 @@ class ResponsesApi(TypedApi):
                 raise RequestError(f"'{name}' must be a boolean", param=name)
         check_fields(body)
 
+    def runs_detached(self, body: dict[str, Any]) -> bool:
+        return body.get("background") is True
+
     def never_shared(self, body: dict[str, Any]) -> str | None:
         if body.get("background"):
             return "background"

@@ -16,7 +16,9 @@ Contract:
   cancelled as before (its call, with the flight's last client), and its record dropped. A run
   in another instance (Redis records) is not kept from here. With
   ``coalesce.finish_abandoned`` every run is kept going until its record settles, its client
-  there or not (its answer kept, written to no one): a retry anywhere, later, replays it.
+  there or not (its answer kept, written to no one): a retry anywhere, later, replays it. So is
+  a run the upstream goes on with when its client leaves (``Api.runs_detached``: a Responses
+  ``background`` job), whatever the setting.
 - A request whose record cannot be read although the shared records answer (every connection
   busy: ``IdempotencyUnavailable``) gets a 503 with ``Retry-After`` and is not run: running it
   without its record could run the key twice.
@@ -233,8 +235,10 @@ class AtMostOnce:
         # ``finish_abandoned`` finishes a run whose client left (module doc): a flight's call
         # would be, but not this request, cancelled with its client, its record dropped (a
         # sampled one's call with it: its retry, on another worker or instance, a second
-        # generation).
-        let_go = client.keep() if self._finish_abandoned and client.keep is not None else None
+        # generation). A run the upstream goes on with anyway (a background response) is
+        # finished whatever the setting: dropped, its retry started a second job.
+        finish = self._finish_abandoned or request.api.runs_detached(request.body)
+        let_go = client.keep() if finish and client.keep is not None else None
         settled = partial(self._settled, scoped, client, let_go)
         try:
             reply = await self._run(client, request, key, route, scoped, token, settled)
