@@ -580,6 +580,23 @@ async def test_a_deleted_stored_chat_completion_is_no_longer_served(gw, fake):
     assert (await gw.client.post(CHAT, json=asked)).headers["x-carpool"] == "hit"
 
 
+async def test_a_stored_chat_completion_updated_is_no_longer_served(gw, fake):
+    # ``POST /v1/chat/completions/{id}`` sets the stored completion's metadata, which the key
+    # of a ``store: true`` request holds (a listing filters by it): the identical request was
+    # still a hit handing back the id of a completion tagged otherwise now.
+    fake.keeps_completions = True
+    asked = stored_chat("Tag me", metadata={"run": "eval-1"})
+    made = (await gw.client.post(CHAT, json=asked)).json()["id"]
+    updated = await gw.client.post(f"{CHAT}/{made}", json={"metadata": {"run": "eval-2"}})
+    assert updated.status_code == 200 and updated.json()["metadata"] == {"run": "eval-2"}
+    again = await gw.client.post(CHAT, json=asked)
+    assert again.headers["x-carpool"] == "miss" and again.json()["id"] != made
+    # (A refused update changes nothing upstream, and drops nothing here.)
+    refused = await gw.client.post(f"{CHAT}/chatcmpl-unknown", json={"metadata": {}})
+    assert refused.status_code == 404
+    assert (await gw.client.post(CHAT, json=asked)).headers["x-carpool"] == "hit"
+
+
 async def test_a_chat_completion_not_stored_upstream_is_tagged_with_no_state(gw, fake):
     # Its id names nothing the upstream keeps: nothing to drop it by, nothing to route by.
     for body in (body_of("chat"), body_of("chat", "Not kept", store=False)):

@@ -158,7 +158,7 @@ from .request import (
     parse,
     requester_digest,
 )
-from .routing.state import answer_names, learning, path_deleted, path_state, posted_state
+from .routing.state import answer_names, learning, path_changed, path_state, posted_state
 from .semantic.audit import BACKED_OFF, BACKED_OFF_SIMILARITY, MARK, SERVING, Budget
 from .state_index import Held
 from .store.base import Entry, StoreUnavailable, state_tag
@@ -794,12 +794,12 @@ class Gateway:
             # (A file uploaded, a batch made or looked at: where it and its files are kept.)
             remember = partial(self.layers.holders.remember, tenant, replica=response.replica)
             response.body = learning(response.body, remember)
-        if 200 <= response.status < 300 and (deleted := path_deleted(method, path)) is not None:
-            # Gone upstream: the answers that are or continue it, or name it (a file), go too,
-            # before the client hears so (their ids name nothing now; what it deleted is not
-            # served again).
+        if 200 <= response.status < 300 and (changed := path_changed(method, path)) is not None:
+            # Gone (or changed) upstream: the answers that are or continue it, or name it (a
+            # file), go too, before the client hears so (their ids name nothing now, or what
+            # their request did not ask for; what it deleted is not served again).
             try:
-                await self._forget_state(requester(headers, self.config), deleted)
+                await self._forget_state(requester(headers, self.config), changed)
             except BaseException:
                 await response.aclose()  # (never relayed: its replica's call is over)
                 raise

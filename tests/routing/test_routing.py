@@ -31,7 +31,7 @@ from carpool.routing.state import (
     StateHolders,
     answer_names,
     learning,
-    path_deleted,
+    path_changed,
     path_state,
     posted_state,
 )
@@ -552,21 +552,25 @@ async def test_an_answer_learned_from_is_parsed_when_it_can_be_whole_not_once_pe
     assert parsed == [] and remembered == ["file-1"]
 
 
-def test_only_a_delete_of_the_stored_object_itself_names_what_it_deletes():
-    # (A file too: the answers whose request names it are its, OpenAI's and Anthropic's.)
+def test_only_a_delete_or_update_of_the_stored_object_itself_names_what_it_changes():
+    # (A file too: the answers whose request names it are its, OpenAI's and Anthropic's. A
+    # stored chat completion's POST sets its metadata, in its request's key.)
     for path, named in [
         ("/responses/resp_1", "resp_1"),
         ("/chat/completions/c%2D1/", "c-1"),
         ("/files/file-1", "file-1"),
     ]:
-        assert path_deleted("DELETE", path) == named
-        assert path_deleted("GET", path) is None and path_deleted("POST", path) is None
-    assert path_deleted("DELETE", "/responses/resp_1/input_items") is None
-    assert path_deleted("DELETE", "/chat/completions/chatcmpl-1/messages") is None
-    assert path_deleted("DELETE", "/chat/completions") is None
-    assert path_deleted("DELETE", "/files/file-1/content") is None
-    assert path_deleted("DELETE", "/files") is None
-    assert path_deleted("DELETE", "/batches/batch_1") is None
+        assert path_changed("DELETE", path) == named
+        assert path_changed("GET", path) is None
+        updated = named if path.startswith("/chat/completions/") else None
+        assert path_changed("POST", path) == updated
+    assert path_changed("POST", "/chat/completions/chatcmpl-1/messages") is None
+    assert path_changed("DELETE", "/responses/resp_1/input_items") is None
+    assert path_changed("DELETE", "/chat/completions/chatcmpl-1/messages") is None
+    assert path_changed("DELETE", "/chat/completions") is None
+    assert path_changed("DELETE", "/files/file-1/content") is None
+    assert path_changed("DELETE", "/files") is None
+    assert path_changed("DELETE", "/batches/batch_1") is None
 
 
 class _Gated(Fake):

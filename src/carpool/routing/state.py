@@ -48,9 +48,10 @@ followed alike. So:
 - ``path_state(path)``: the stored object a pass-through path is about (``/responses/{id}``,
   ``/chat/completions/{id}``, ``/files/{id}``, ``/batches/{id}`` and below);
   ``posted_state(method, path, body)``: the one a pass-through body names (a ``POST /batches``'s
-  ``input_file_id``). ``path_deleted(method, path)``: the one a
+  ``input_file_id``). ``path_changed(method, path)``: the one a
   pass-through ``DELETE /responses/{id}``, ``DELETE /chat/completions/{id}`` or ``DELETE
-  /files/{id}`` (OpenAI's and Anthropic's Files API alike) deletes; once the upstream said
+  /files/{id}`` (OpenAI's and Anthropic's Files API alike) deletes, or a ``POST
+  /chat/completions/{id}`` changes (its metadata, in a stored completion's key); once the upstream said
   2xx, the gateway drops the cached answers that are or continue it, or whose request names
   the file, in the deleter's tenant (``Gateway.passthrough``, ``state_tag``). (One namespace
   of ids for all three: each is the upstream's own, ``resp_...``, ``chatcmpl-...``,
@@ -73,7 +74,7 @@ __all__ = [
     "StateHolders",
     "answer_names",
     "learning",
-    "path_deleted",
+    "path_changed",
     "path_state",
     "posted_state",
 ]
@@ -113,7 +114,7 @@ class StateHolders:
 
 
 # The pass-through paths under which a stored object's id comes first: those whose objects
-# cached answers may be, continue or name (a file: ``path_deleted``), and all those followed.
+# cached answers may be, continue or name (a file: ``path_changed``), and all those followed.
 _STORED = ("/responses/", "/chat/completions/", "/files/")
 _KEPT = (*_STORED, "/batches/")
 # What a kept object's answer names, each kept where it answered (``learning``).
@@ -205,9 +206,12 @@ async def learning(
             await close()
 
 
-def path_deleted(method: str, path: str) -> str | None:
+def path_changed(method: str, path: str) -> str | None:
     """The stored object a pass-through call deletes (``DELETE /responses/{id}``, ``DELETE
-    /chat/completions/{id}``, ``DELETE /files/{id}``), or None."""
-    if method != "DELETE" or (named := _after_id(path)) is None or named[1]:
+    /chat/completions/{id}``, ``DELETE /files/{id}``) or changes (``POST
+    /chat/completions/{id}``: its metadata, which a stored completion's key holds), or None."""
+    if (named := _after_id(path)) is None or named[1]:
+        return None
+    if method != "DELETE" and not (method == "POST" and path.startswith("/chat/completions/")):
         return None
     return unquote(named[0]) or None
