@@ -80,6 +80,27 @@ async def test_a_replayed_engine_failure_tells_the_sdk_not_to_retry_it(gw, fake)
     assert fake.count() == 1
 
 
+async def test_an_engine_failure_kept_under_its_key_tells_the_sdk_not_to_retry_it_at_once(gw, fake):
+    # The first answer of a key, a 5xx kept as final, is what every retry with the key gets:
+    # relayed with the upstream's ``Retry-After`` and ``x-should-retry: true``, the SDK waited
+    # that long (up to 60 s) for a replay of it. A 5xx not kept (a 503: retryable) keeps them.
+    retry = [(b"retry-after", b"4"), (b"retry-after-ms", b"4000"), (b"x-should-retry", b"true")]
+    fake.fail_status, fake.response_headers = 500, retry
+    kept = await gw.client.post(CHAT, json=body_of_chat(), headers=KEY)
+    assert kept.status_code == 500 and kept.headers["x-should-retry"] == "false"
+    assert "retry-after" not in kept.headers and "retry-after-ms" not in kept.headers
+    fake.fail_status = 503
+    again = {"Idempotency-Key": '"another"'}
+    dropped = await gw.client.post(CHAT, json=body_of_chat(), headers=again)
+    assert dropped.status_code == 503 and dropped.headers["x-should-retry"] == "true"
+    assert dropped.headers["retry-after"] == "4"
+    assert fake.count() == 2
+
+
+def body_of_chat() -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
 async def test_the_same_key_while_processing_is_409_problem_json(gw, fake):
     fake.gate = asyncio.Event()
     first = asyncio.create_task(gw.chat(headers=KEY))

@@ -302,9 +302,17 @@ class AtMostOnce:
                 request.stream,
                 self._made(reply),
             )
-            await _settle(
+            kept_final = await _settle(
                 _kept(records, scoped, token, request.kind, stored, request.body, reply.answered)
             )
+            if kept_final and reply.status >= 500:
+                # The engine's failure, kept: every retry with the key gets it again, so the
+                # SDKs are told not to retry (nor to wait the upstream's ``Retry-After`` first),
+                # as its replays are.
+                reply.headers = [
+                    *(header for header in reply.headers if header[0].lower() not in RETRY_FIELDS),
+                    _NOT_RETRIED,
+                ]
         else:
             recorded = _Recorded(
                 records,
@@ -675,14 +683,15 @@ async def _kept(
     stored: StoredResponse,
     asked: dict[str, Any],
     answered: Callable[[], Answer | None] | None,
-) -> None:
+) -> bool:
     """``stored`` kept by the record of ``key`` if it is final (``_final``), else the record
     dropped: the answer is retryable, a retry runs again. Under ``_settle``: the request may be
-    cancelled while a long answer is judged on a worker thread, and the record still settles."""
+    cancelled while a long answer is judged on a worker thread, and the record still settles.
+    Whether it was kept: every retry with the key gets it then."""
     if await _final(kind, stored, asked, answered):
-        await records.finish(key, token, stored)
-    else:
-        await records.abandon(key, token)
+        return await records.finish(key, token, stored)
+    await records.abandon(key, token)
+    return False
 
 
 async def _settle(work: Any) -> Any:
