@@ -477,15 +477,22 @@ def test_a_yaml_syntax_error_names_its_line_never_the_lines_text(tmp_path):
 
 
 async def test_with_a_held_key_the_upstreams_account_headers_never_reach_a_client(held, fake):
-    # OpenAI names the account a key belongs to on every answer: the gateway's, not the client's.
+    # OpenAI (and Anthropic) name the account a key belongs to on every answer: the gateway's,
+    # not the client's; and its quota left, which every client's calls spend (what the others
+    # are doing, read by one), while its when-to-retry is the client's to back off by.
     fake.response_headers = [
         (b"openai-organization", b"org-OPERATOR"),
         (b"openai-project", b"proj_OPERATOR"),
         (b"set-cookie", b"session=OPERATOR; HttpOnly"),
+        (b"anthropic-organization-id", b"OPERATOR-org-uuid"),
+        (b"x-ratelimit-remaining-requests", b"OPERATOR-4999"),
+        (b"anthropic-ratelimit-tokens-remaining", b"OPERATOR-79000"),
+        (b"retry-after", b"3"),
     ]
     response = await held.client.get("/v1/models", headers=bearer("client-a"))
     assert response.status_code == 200
     assert "OPERATOR" not in str(response.headers)
+    assert response.headers["retry-after"] == "3"
 
 
 async def test_where_pass_through_is_opened_no_credential_of_the_client_goes_upstream_next_to_the_gateways(

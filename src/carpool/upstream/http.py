@@ -126,7 +126,8 @@ Contract (on top of ``upstream.base``):
 - Pass-through relays the answer's headers but the hop-by-hop ones and those the gateway's
   server writes itself, ``Date`` and ``Server`` (``NOT_RELAYED``, and those its ``Connection``
   names; ``Transfer-Encoding`` among them) and, with a credential the gateway holds, what the upstream
-  says of that credential's account (``HELD_KEY_NOT_RELAYED``). The cached endpoints' answers
+  says of that credential's account (``HELD_KEY_NOT_RELAYED``) and of its quota left
+  (``HELD_QUOTA_PREFIXES``). The cached endpoints' answers
   carry only their content type from the upstream (none when it named none), a whole
   answer's ``Cache-Control`` (every line of it, joined: whether a shared cache may store the
   answer, ``Answer.storable``; not relayed to the clients as it came (``reply.whole`` says
@@ -249,8 +250,13 @@ NOT_RELAYED = frozenset(
 )
 # Nor, when the gateway holds the upstream's credential (a key, or a URL's user and password),
 # what an upstream says of that credential's account (OpenAI names its organization and project
-# on every answer) or the session it opens for it.
-HELD_KEY_NOT_RELAYED = frozenset({"openai-organization", "openai-project", "set-cookie"})
+# on every answer, Anthropic its organization) or the session it opens for it; nor the
+# account's quota left (``HELD_QUOTA_PREFIXES``), which every client's calls spend: one client
+# read the others' traffic in it. (When to retry, ``Retry-After``, is relayed.)
+HELD_KEY_NOT_RELAYED = frozenset(
+    {"openai-organization", "openai-project", "anthropic-organization-id", "set-cookie"}
+)
+HELD_QUOTA_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # The statuses whose answer never has a body (RFC 9110 6.4.1): no ``Content-Length`` relayed.
 _BODILESS = frozenset({204, 304})
@@ -983,8 +989,11 @@ class HttpUpstream:
             # server frames the client's answer then); a 304's is the size of a body not sent
             # (RFC 9110 8.6), which the ASGI server would wait for and, not seeing it, fail.
             dropped = dropped | {"content-length"}
+        quota = HELD_QUOTA_PREFIXES if self._held else ()
         relayed = [
-            (k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in dropped
+            (k, v)
+            for k, v in response.raw_headers
+            if (name := k.decode("latin-1").lower()) not in dropped and not name.startswith(quota)
         ]
 
         async def content() -> AsyncIterator[bytes]:
