@@ -455,6 +455,25 @@ def test_every_choice_asked_for_must_be_there_and_finished():
     assert is_complete("completion", {"choices": [{"text": "x", "finish_reason": "stop"}] * 2}, 2)
 
 
+def test_a_well_formed_choice_the_engine_gave_up_on_is_not_complete():
+    # vLLM's "abort", an "error": the choice is whole in shape (a message, a text), but it
+    # ended in failure, and is never stored as an answer.
+    for failed in ("abort", "error"):
+        assert not is_complete("chat", {"choices": [{**DONE_CHOICE, "finish_reason": failed}]})
+        done = {"index": 0, "text": "x", "finish_reason": failed}
+        assert not is_complete("completion", {"choices": [done]})
+    assert is_complete(
+        "completion", {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}
+    )
+
+
+def test_the_choices_asked_for_are_indexes_0_to_n_not_just_n_of_them():
+    # Two choices came, but choice 0 never did: not the answer to n=2.
+    shifted = {"choices": [{**DONE_CHOICE, "index": 1}, {**DONE_CHOICE, "index": 2}]}
+    assert not is_complete("chat", shifted, 2)
+    assert is_complete("chat", shifted, None)
+
+
 async def test_judging_an_answer_costs_what_came_never_the_choices_asked_for():
     one = {"choices": [DONE_CHOICE]}
     two_prompts = {"choices": [{"index": i, "text": "x", "finish_reason": "stop"} for i in (0, 1)]}
@@ -489,6 +508,8 @@ def test_an_answer_reporting_an_error_at_its_top_is_not_complete_a_null_error_is
         assert is_complete(kind, {**answered, "error": None})
         assert not is_complete(kind, {**answered, "error": {"message": "m"}})
         assert not is_complete(kind, {**answered, "error": "m"})
+        for said in ({}, "", False, 0, []):  # (an error, however empty: only null is none)
+            assert not is_complete(kind, {**answered, "error": said}), said
         assert api_of(kind).complete({**answered, "error": None})
         assert not api_of(kind).complete({**answered, "error": {"message": "m"}})
 

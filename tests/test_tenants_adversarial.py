@@ -228,6 +228,22 @@ async def test_idempotency_keys_stay_scoped_by_tenant_even_in_a_shared_namespace
         assert fake.count() == 4
 
 
+async def test_a_keyed_retry_in_a_shared_namespace_is_replayed_after_its_tenant_was_accepted(
+    tagged, gateway_with
+):
+    """A tenant's first answer in a shared namespace accepts it (its requests read the shared
+    scope from then on): its retry with the same key is the same request, replayed, not a 422
+    for a digest taken in the other scope."""
+    fake = tagged
+    async with gateway_with(tenant={"shared_namespaces": ["docs"]}) as gw:
+        shared = {**bearer(1), "x-carpool-namespace": "docs", "Idempotency-Key": "k"}
+        first = await gw.chat("Shared FAQ", headers=shared)
+        assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+        retry = await gw.chat("Shared FAQ", headers=shared)
+        assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
+        assert retry.content == first.content and fake.count() == 1
+
+
 # --- several instances sharing Valkey ------------------------------------------------------------
 
 

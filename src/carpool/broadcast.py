@@ -4,12 +4,11 @@ Contract (CONTRACT.md "Streaming"):
 - The leader's task ``publish``es SSE frames as they arrive, then ends the broadcast exactly once
   with ``finish(answer)`` or ``fail(error)``. Publishing never waits for any client, so a slow
   client never slows the others (or the upstream).
-- ``follow`` yields every frame from the first one, so a client that joins late first receives
-  every frame emitted so far, then the rest live; it returns when the broadcast has ended. The
-  caller then reads ``error`` / ``answer`` to end its own stream. ``take`` is the same read
-  without a generator: the frames from ``sent`` on that are there now, joined into one piece
-  of at most about ``JOINED_BYTES`` (a burst of frames is one write to a client, not one each),
-  for a caller that ``wait_changed``s for more. It costs what that piece holds (and a few
+- ``take`` reads every frame from the first one, so a client that joins late first receives
+  every frame emitted so far, then the rest live: the frames from ``sent`` on that are there
+  now, joined into one piece of at most about ``JOINED_BYTES`` (a burst of frames is one write
+  to a client, not one each), for a caller that ``wait_changed``s for more until the broadcast
+  has ended (``done``), then reads ``error`` / ``answer`` to end its own stream. It costs what that piece holds (and a few
   dozen frames' lengths more): a client far behind (a late joiner of a long stream) pays for
   each piece, not for all it has yet to take each time.
 - Frames are kept in one shared list, not copied per client: memory is one answer, not N (and
@@ -70,7 +69,7 @@ Contract (CONTRACT.md "Streaming"):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from .answer import Answer
@@ -233,7 +232,7 @@ class Broadcast:
 
     def take(self, sent: int, include_usage: bool) -> tuple[bytes, int]:
         """(the frames from index ``sent`` on that are there now, joined, up to about
-        ``JOINED_BYTES``; the index to take from next): ``follow``'s read without a generator."""
+        ``JOINED_BYTES``; the index to take from next)."""
         frames = self.frames
         end = len(frames)
         if sent >= end:
@@ -270,16 +269,3 @@ class Broadcast:
             if rest == end:
                 sent = end
         return (pieces[0] if len(pieces) == 1 else b"".join(pieces)), sent
-
-    async def follow(self, include_usage: bool) -> AsyncIterator[bytes]:
-        """Every frame so far, then the rest live, until the broadcast ends."""
-        sent = 0
-        while True:
-            frames = self.frames
-            while sent < len(frames):
-                if include_usage or sent != self.usage_frame:
-                    yield frames[sent]
-                sent += 1
-            if self.done:
-                return
-            await self.wait_changed()
