@@ -487,6 +487,10 @@ async def test_with_a_held_key_the_upstreams_account_headers_never_reach_a_clien
         (b"anthropic-organization-id", b"OPERATOR-org-uuid"),
         (b"x-ratelimit-remaining-requests", b"OPERATOR-4999"),
         (b"anthropic-ratelimit-tokens-remaining", b"OPERATOR-79000"),
+        (b"x-ratelimitbysize-remaining", b"OPERATOR-5"),  # (Mistral's)
+        (b"RateLimit", b'"OPERATOR";r=9;t=30'),  # (the IETF draft's fields, and earlier drafts')
+        (b"RateLimit-Policy", b'"OPERATOR";q=100;w=60'),
+        (b"RateLimit-Remaining", b"OPERATOR-9"),
         (b"retry-after", b"3"),
     ]
     response = await held.client.get("/v1/models", headers=bearer("client-a"))

@@ -256,7 +256,7 @@ NOT_RELAYED = frozenset(
 HELD_KEY_NOT_RELAYED = frozenset(
     {"openai-organization", "openai-project", "anthropic-organization-id", "set-cookie"}
 )
-HELD_QUOTA_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+HELD_QUOTA_PREFIXES = ("x-ratelimit", "anthropic-ratelimit-", "ratelimit")  # (the last: IETF's)
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # The statuses whose answer never has a body (RFC 9110 6.4.1): no ``Content-Length`` relayed.
 _BODILESS = frozenset({204, 304})
