@@ -449,6 +449,61 @@ def test_two_scopes_never_share_a_root_however_their_parts_are_split():
     assert root_of(["a", "b"]) != root_of(["a", "b", ""])
 
 
+CHAT_ASKED = {"model": "m", "messages": [{"role": "user", "content": "Summarise the handbook."}]}
+RESPONSES_ASKED = {"model": "m", "input": "Summarise the handbook.", "store": False}
+
+
+@pytest.mark.parametrize(
+    ("path", "shared", "bound"),
+    [
+        (
+            "/v1/chat/completions",
+            CHAT_ASKED,
+            {
+                **CHAT_ASKED,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Summarise the handbook."},
+                            {"type": "file", "file": {"file_id": "file-abc123"}},
+                        ],
+                    }
+                ],
+            },
+        ),
+        ("/v1/chat/completions", CHAT_ASKED, {**CHAT_ASKED, "store": True}),
+        ("/v1/responses", RESPONSES_ASKED, {**RESPONSES_ASKED, "previous_response_id": "resp_1"}),
+        # (Stored, Responses' default: its answer's id names a response its tenant keeps.)
+        (
+            "/v1/responses",
+            RESPONSES_ASKED,
+            {k: v for k, v in RESPONSES_ASKED.items() if k != "store"},
+        ),
+    ],
+    ids=["file", "stored-chat", "previous-response", "stored-response"],
+)
+def test_in_a_shared_namespace_a_request_naming_its_tenants_state_routes_in_its_tenants_scope(
+    path, shared, bound
+):
+    # Tenants share prefixes in a shared namespace, as they share answers there; not a request
+    # that names what the upstream keeps for its own tenant (a file, an earlier response, an
+    # answer it stores): its prefix would steer another tenant's request to where it ran.
+    from carpool.config import Config
+    from carpool.exchange import routing_scope
+    from carpool.request import ClientRequest, parse
+
+    config = Config(tenant={"shared_namespaces": ["docs"]})
+
+    def scope(body: dict[str, Any], who: str) -> bytes:
+        headers = {"authorization": f"Bearer {who}", "x-carpool-namespace": "docs"}
+        request = parse(ClientRequest(path, orjson.dumps(body), headers), 1 << 20)
+        return routing_scope(request, config)
+
+    assert scope(shared, "alice") == scope(shared, "mallory")  # (the namespace's)
+    assert scope(bound, "alice") != scope(bound, "mallory")
+
+
 def test_a_stored_response_routes_only_its_own_tenants_requests():
     holders = StateHolders()
     holders.remember("tenant-a", "resp_1", "r1")

@@ -663,3 +663,54 @@ def test_a_near_repeat_with_a_negator_added_gets_the_full_bar(guard):
         [0.98],
     )
     assert retyped[0].ok
+
+
+class FixedScore:
+    """A verifier that scores every pair the same (``score``) and reads every pair whole: what
+    the guard makes of a score, whatever the model would say."""
+
+    name = "fixed"
+
+    def __init__(self, score: float, threshold: float) -> None:
+        self.fixed, self.threshold = score, threshold
+        self.asked: list[tuple[str, str]] = []
+
+    def score(self, pairs):
+        self.asked.extend(pairs)
+        return [self.fixed] * len(pairs)
+
+    async def scores(self, pairs):
+        return self.score(pairs)
+
+    def unread(self, pairs):
+        return [False] * len(pairs)
+
+
+def test_earlier_turns_get_the_near_repeat_bar_only_when_close_whatever_the_texts():
+    # The near-repeat bar is the texts' when they are that similar, the contexts' only when
+    # their words are ``close``: a context with a content word changed ("blue" / "red
+    # jacket") scored between the two bars is refused, however near a repeat the last turn.
+    from carpool.semantic.guard import NEAR_REPEAT_SCORE
+
+    threshold = 0.96
+    verifier = FixedScore((NEAR_REPEAT_SCORE + threshold) / 2, threshold)
+    guard = RulesThenVerifier(verifier, rules=())  # (no rule: the bars alone decide)
+    text = "How long is the warranty?"  # (the same on both sides: not asked)
+    close = (
+        "user: I need help with my electricity bill.",
+        "user: I need some help with my electricity bill.",
+    )
+    far = (
+        "user: I want to return the blue jacket I bought last week.\nassistant: Sure, it can be"
+        " returned within 30 days.",
+        "user: I want to return the red jacket I bought last week.\nassistant: Sure, it can be"
+        " returned within 30 days.",
+    )
+    for a, b in (close, close[::-1], far, far[::-1]):
+        verifier.asked.clear()
+        (v,) = guard.judge_now(Side(text, a), [Side(text, b)], [0.99])
+        assert verifier.asked == [(a, b)]  # (the contexts only: scored between the bars)
+        if (a, b) in (close, close[::-1]):
+            assert v.ok, v
+        else:
+            assert not v.ok and v.reason == Reason.CONTEXT, v
