@@ -582,37 +582,6 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
         peers.remove(directory)
 
 
-async def test_a_joiner_timing_out_on_a_worker_asking_the_owner_shares_the_owners_fresh_call(
-    fake,
-):
-    """The owner's call stalls past the join timeout: a joiner that times out on the other
-    worker, whose flight's lead is asking the owner, waits for that lead, which shares the
-    owner's fresh call, as in one process. (Before, it made a call of its own: one more
-    generation per worker, and identical requests sent together got different answers.)"""
-    async with two_workers(fake.url, coalesce={"join_timeout_ms": 50}) as pair:
-        question = owned_by(pair.a.gateway, 1)
-        gate = fake.gate = asyncio.Event()  # (every call held until the end)
-        stalled = asyncio.create_task(pair.b.chat(question))
-        await fake.wait_for_calls(1)
-        asked_of_owner = asyncio.create_task(pair.a.chat(question))
-        await eventually(lambda: len(pair.a.gateway.flights) == 1, what="a's flight asking b")
-        timed_out, wait = asyncio.Event(), pair.a.gateway._wait
-
-        async def noting_the_timeout(ticket: Any, request: Any, timeout: float | None) -> None:
-            if timeout is None:  # (a joiner past its join timeout: on its flight, or its own)
-                timed_out.set()
-            await wait(ticket, request, timeout)
-
-        pair.a.gateway._wait = noting_the_timeout  # type: ignore[method-assign]
-        joiner = asyncio.create_task(pair.a.chat(question))
-        await timed_out.wait()
-        gate.set()
-        answers = [await asked_of_owner, await joiner]
-        said = {answer.json()["choices"][0]["message"]["content"] for answer in answers}
-        assert said == {f"answer 2 to {question}"}
-        assert (await stalled).status_code == 200 and fake.count() == 2
-
-
 def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
     """The record scope of ``idempotency_key`` for an anonymous chat request (``scope_of``)."""
     from carpool.idempotency.once import scope_of

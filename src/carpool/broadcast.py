@@ -48,9 +48,7 @@ Contract (CONTRACT.md "Streaming"):
   start, which is before any joiner's) and then runs the fresh call in this very flight (as it
   does when it takes a dead leader's call over). A joiner that times out waits on
   (``pipeline.py``) rather than retake: the joiners that time out together share the lead's
-  one fresh call, not one of their own besides. So it is when the lead asks the key's owner
-  among the workers of one run (``lead.py``): its request, a joiner there, times out there
-  and shares the owner's fresh call, which it relays here.
+  one fresh call, not one of their own besides.
 - ``leader_elsewhere`` is true while the frames are relayed from a call that another instance
   leads, read through Redis (``redis/flight_relay.py``): a leader that may have died unseen (its
   death is noticed through its lease, late). A streaming client that joins then takes no frame

@@ -162,11 +162,6 @@ class Leader:
             if self.peers is not None and not alone and key.key is not None
             else None
         )
-        if owner is not None:
-            # Asked of the owner, this call times out there as a joiner of the owner's flight,
-            # and shares the fresh call its joiners there make: this flight's joiners wait for
-            # it (``Broadcast.lead_times_out``), rather than each worker make one more.
-            broadcast.lead_times_out = True
         begun = _Begun()
         if self.semantic is not None:  # (the semantic layer's count of invalidations, now)
             begun.semantic = self.semantic.generation
