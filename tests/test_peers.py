@@ -582,6 +582,27 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
         peers.remove(directory)
 
 
+async def test_joiners_timing_out_on_a_worker_asking_the_owner_share_one_fresh_call_there(fake):
+    """The owner's call stalls (here led by this worker's own request, asked of it): this
+    worker's joiners that time out run one fresh call among them at the join timeout, as
+    joiners do in one process, not a wait on the stalled call (docs/scaling.md: one such call
+    per worker, as one per instance with Redis)."""
+    async with two_workers(fake.url, coalesce={"join_timeout_ms": 100}) as pair:
+        question = owned_by(pair.a.gateway, 1)
+        gate = fake.gate = asyncio.Event()
+        asked_of_owner = asyncio.create_task(pair.a.chat(question))
+        await fake.wait_for_calls(1)
+        fake.gate = None  # (the calls after it answer at once)
+        joiners = await asyncio.gather(pair.a.chat(question), pair.a.chat(question))
+        said = {joiner.json()["choices"][0]["message"]["content"] for joiner in joiners}
+        assert said == {f"answer 2 to {question}"} and not asked_of_owner.done()
+        assert fake.count() == 2
+        gate.set()
+        assert (await asked_of_owner).json()["choices"][0]["message"]["content"] == (
+            f"answer 1 to {question}"
+        )
+
+
 def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
     """The record scope of ``idempotency_key`` for an anonymous chat request (``scope_of``)."""
     from carpool.idempotency.once import scope_of
