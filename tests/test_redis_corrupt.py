@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from carpool.redis.keys import ENTRY_ID
@@ -35,6 +36,16 @@ async def _string(client: Any, key: bytes) -> None:
     await client.set(key, b"\xff\xfe not a hash", px=ttl)
 
 
+async def _cut_short(client: Any, key: bytes) -> None:
+    body = await client.hget(key, "b")
+    await client.hset(key, "b", body[: len(body) // 2])
+
+
+async def _header(client: Any, key: bytes, **changed: Any) -> None:
+    header = orjson.loads(await client.hget(key, "m"))
+    await client.hset(key, "m", orjson.dumps({**header, **changed}))
+
+
 SPOILED_ENTRIES: dict[str, Spoil] = {
     "a header that is no JSON": lambda c, k: _field(c, k, "m", b"\xff\x00garbage"),
     "a header that is a list": lambda c, k: _field(c, k, "m", b"[1,2]"),
@@ -47,6 +58,10 @@ SPOILED_ENTRIES: dict[str, Spoil] = {
         b'"fl":[5,5],"tags":[],"ns":""}',
     ),
     "a string where a hash belongs (WRONGTYPE)": _string,
+    # (Served before as a hit: the body cut short to a JSON client, the other API's answer to
+    # both; and a 500 to a streaming client, whose stream is made from the body, until the TTL.)
+    "a body cut short": _cut_short,
+    "another API's kind": lambda c, k: _header(c, k, k="responses"),
 }
 
 
@@ -55,9 +70,15 @@ async def the_entry(client: Any) -> bytes:
     return key
 
 
+async def read(gateway: Any, shape: str) -> Any:
+    """The answer to "q", as JSON or as a stream (read to its end)."""
+    return await gateway.chat("q") if shape == "json" else (await gateway.stream_chat("q"))[0]
+
+
+@pytest.mark.parametrize("shape", ["json", "stream"])
 @pytest.mark.parametrize("spoil", list(SPOILED_ENTRIES))
 async def test_a_cache_entry_in_redis_that_cannot_be_read_is_a_miss_and_is_dropped(
-    fake: Any, redis_server: Any, spoil: str
+    fake: Any, redis_server: Any, spoil: str, shape: str
 ) -> None:
     async with (
         raw(redis_server) as client,
@@ -69,12 +90,41 @@ async def test_a_cache_entry_in_redis_that_cannot_be_read_is_a_miss_and_is_dropp
         # (an answer without its finish reason, served but not stored: B's own answer is not
         # put where the spoiled value was, which must be gone)
         fake.omit_finish_reason = True
-        first = await b.chat("q")
+        first = await read(b, shape)
         assert (first.status_code, first.headers["x-carpool"]) == (200, "miss")
         assert await client.exists(key) == 0
         fake.omit_finish_reason = False
         assert (await b.chat("q")).headers["x-carpool"] == "miss"
         assert (await a.chat("q")).headers["x-carpool"] == "hit"
+        assert fake.count() == 3
+        for served in (a, b):
+            health = served.gateway.redis_health()
+            assert (health["state"], health["errors"]) == ("up", 0)
+
+
+async def test_a_stored_answer_that_cannot_be_made_a_stream_is_a_miss_and_is_dropped(
+    fake: Any, redis_server: Any
+) -> None:
+    """A body of its length and its API's kind that is no answer of that API (something else
+    wrote it): a hit does not parse the body, so a JSON client would be served it, but a
+    streaming client, whose stream is made from it, gets a miss, and the entry goes. (Before,
+    a 500 to every streaming client until its TTL.)"""
+    async with (
+        raw(redis_server) as client,
+        gateways(2, fake, redis_server, coalesce=NO_WINDOW) as (a, b),
+    ):
+        assert (await a.chat("q")).headers["x-carpool"] == "miss"
+        key = await the_entry(client)
+        body = await client.hget(key, "b")
+        await client.hset(key, "b", b"x" * len(body))
+        fake.omit_finish_reason = True  # (as above: B's own answer is not stored)
+        first, _ = await b.stream_chat("q")
+        assert (first.status_code, first.headers["x-carpool"]) == (200, "miss")
+        assert await client.exists(key) == 0
+        fake.omit_finish_reason = False
+        assert (await b.stream_chat("q"))[0].headers["x-carpool"] == "miss"
+        again, text = await a.stream_chat("q")
+        assert (again.headers["x-carpool"], text.endswith("data: [DONE]\n\n")) == ("hit", True)
         assert fake.count() == 3
         for served in (a, b):
             health = served.gateway.redis_health()

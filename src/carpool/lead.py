@@ -81,10 +81,11 @@ from .broadcast import Broadcast
 from .canonical import collapses, normalize_text
 from .exchange import flight_key, without_usage
 from .fingerprint import Fingerprint, SemanticView, semantic_view
+from .reply import unstreamable
 from .request import Request
 from .state_index import Held
 from .store import Entry
-from .store.base import PROMPT_PREFIX_CHARS, prompt_text, state_tag
+from .store.base import PROMPT_PREFIX_CHARS, Store, StoreUnavailable, prompt_text, state_tag
 
 if TYPE_CHECKING:
     from .config import Config
@@ -253,7 +254,7 @@ class Leader:
                 linger=not controls.no_store,
                 forget=self.store.forget,
                 # (Asked only of a request that takes any cached answer: its TTL bounds it.)
-                load=partial(self._stored, key.key, oldest) if oldest != 0 else None,
+                load=partial(self._stored, key.key, oldest, request) if oldest != 0 else None,
             )
             # Followed, replayed or loaded: the instance that led it stored it as this one
             # would have (a loaded answer is the stored one).
@@ -284,10 +285,16 @@ class Leader:
         prefix = prompt_prefix(request, self.config)
         broadcast.labels, broadcast.kept = (request.controls.tags, key.namespace, prefix), kept
 
-    async def _stored(self, key: str, max_age: float | None) -> Answer | None:
-        """The exact cache's answer for ``key``, if younger than ``max_age`` (``read_age``)."""
-        entry = await self.store.get(key)
+    async def _stored(self, key: str, max_age: float | None, request: Request) -> Answer | None:
+        """The exact cache's answer for ``key``, if younger than ``max_age`` (``read_age``), for
+        the flight of ``request`` (the key's) and whoever joins it: none (and it is dropped)
+        if it is one of which ``whole`` could not make a stream, as any of them may ask one
+        (``unservable``; a race's path, a call that ended after this one missed: the body of an
+        answer without frames is parsed here, its frames kept for a streaming client)."""
+        entry = await self.store.get(key, request.kind)
         if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
+            return None
+        if await unservable(self.store, key, entry.answer, request.include_usage):
             return None
         return entry.answer
 
@@ -459,6 +466,25 @@ class _Begun:
     def __init__(self) -> None:
         self.generation: int | None = None
         self.semantic: int | None = None
+
+
+async def unservable(store: Store, key: str | None, answer: Answer, include_usage: bool) -> bool:
+    """Whether ``answer``, stored under ``key`` (None: in no store), is one of which ``whole``
+    cannot make a stream for a streaming client (``reply.unstreamable``: something else wrote
+    its body, which a hit does not parse): if so, it is logged and dropped, as a value in Redis
+    that is no entry is (``redis.store``), so that it costs one miss, not a 500 to every
+    streaming client until its TTL."""
+    why = unstreamable(answer, include_usage)
+    if why is None:
+        return False
+    where = "a semantic entry" if key is None else key
+    log.warning("dropping a stored answer of which no stream can be made (%s): %s", where, why)
+    if key is not None:
+        try:
+            await store.forget(key)
+        except StoreUnavailable:  # (a shared store reports its own failures, raising none)
+            pass  # (it stays: the next streaming hit drops it)
+    return True
 
 
 def _discard(task: asyncio.Task[Any]) -> None:

@@ -136,7 +136,7 @@ from .fingerprint import Fingerprint, fingerprint, requester, semantic_view
 from .flight import JoinTimeout, Ticket
 from .idempotency import IdempotencyError, parse_key
 from .idempotency.once import AtMostOnce, scope_of
-from .lead import Leader, prompt_prefix, read_age
+from .lead import Leader, prompt_prefix, read_age, unservable
 from .metrics import COUNTED_ELSEWHERE, Counted, counted_elsewhere
 from .outcome import Outcome
 from .repeat_memo import Repeat
@@ -148,6 +148,7 @@ from .reply import (
     nearest,
     refusal,
     similarity,
+    unstreamable,
     whole,
 )
 from .request import (
@@ -250,7 +251,9 @@ class Gateway:
         memo_key = client.memo_key if client.keyed else self.repeats.key_of(client)
         repeat = self._repeat(memo_key)
         if repeat is not None:
-            answer = await self._cached(repeat.key, repeat.max_age)
+            answer = await self._cached(
+                repeat.key, repeat.max_age, BY_PATH[route].kind, repeat.stream, repeat.include_usage
+            )
             if answer is not None:
                 return self._served(route, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
         try:
@@ -315,7 +318,7 @@ class Gateway:
         controls = request.controls
         read_age = self._read_age(request)
         if controls.may_read and read_age != 0:
-            answer = await self._cached(key.key, read_age)
+            answer = await self._cached(key.key, read_age, *_shape(request))
             if answer is not None:
                 if remember is not None:
                     remember()
@@ -350,6 +353,19 @@ class Gateway:
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
             match = probe.match
+            if (
+                match is not None
+                and match.answer is not None
+                and request.stream
+                and self.config.semantic.mode == "serve"
+                and await unservable(
+                    self.store, match.entry.ref, match.answer, request.include_usage
+                )
+            ):
+                # Not served, nor kept: this copy at once, another instance's reference by its
+                # exact entry, dropped (each copy goes on its next read).
+                self.semantic.forget_entry(match.entry.id)
+                match = None
             if match is not None:
                 assert match.answer is not None
                 # The scope's error budget (``semantic/audit.py``: its tenant's in its namespace,
@@ -450,8 +466,8 @@ class Gateway:
         if repeat is None:
             return None
         answer = self._fresh(get_now(repeat.key), repeat.max_age)
-        if answer is None:
-            return None
+        if answer is None or (repeat.stream and unstreamable(answer, repeat.include_usage)):
+            return None  # (an answer of which no stream can be made: ``_cached`` drops it)
         return self._served(client.path, Outcome.HIT, answer, repeat.stream, repeat.include_usage)
 
     def _repeat(self, memo_key: tuple[Any, ...] | None) -> Repeat | None:
@@ -462,11 +478,23 @@ class Gateway:
             return repeat
         return None
 
-    async def _cached(self, key: str, max_age: float | None) -> Answer | None:
-        """The exact cache's answer for ``key``, if it has one younger than ``max_age``."""
+    async def _cached(
+        self, key: str, max_age: float | None, kind: str, stream: bool, include_usage: bool
+    ) -> Answer | None:
+        """The exact cache's answer for ``key``, if it has one younger than ``max_age``, for a
+        request of API ``kind`` (``Store.get``) asking it as a stream (``stream``, with the
+        usage chunk: ``include_usage``) or as JSON: none (and it is dropped) if it is one of
+        which no stream can be made for a streaming client (``lead.unservable``)."""
         with self.tracer.span("carpool.exact"):
-            entry = await self.store.get(key)
-        return self._fresh(entry, max_age)
+            entry = await self.store.get(key, kind)
+        answer = self._fresh(entry, max_age)
+        if (
+            answer is not None
+            and stream
+            and await unservable(self.store, key, answer, include_usage)
+        ):
+            return None
+        return answer
 
     def _fresh(self, entry: Entry | None, max_age: float | None) -> Answer | None:
         if entry is None or (max_age is not None and entry.answer.age(self.clock.now()) >= max_age):
@@ -504,7 +532,7 @@ class Gateway:
                     # once (its identical neighbours here join the same new flight; other
                     # instances, through Redis).
                     stored = (
-                        await self._cached(key.key, self._read_age(request))
+                        await self._cached(key.key, self._read_age(request), *_shape(request))
                         if key.key is not None and request.controls.may_read
                         else None
                     )
@@ -1005,6 +1033,12 @@ def _query_of(query: str) -> bytes:
 # What an upstream answers about the requester rather than the request: its key refused, out of
 # credit, not allowed the model (OpenAI says 404 model_not_found), rate-limited.
 _CREDENTIAL_ERRORS = frozenset({401, 402, 403, 404, 407, 429})
+
+
+def _shape(request: Request) -> tuple[str, bool, bool]:
+    """How ``request`` reads a cached answer (``Gateway._cached``): its API's kind, as a stream
+    or not, with the usage chunk or not."""
+    return request.kind, request.stream, request.include_usage
 
 
 def _refused_another(ticket: Ticket, key: Fingerprint) -> bool:

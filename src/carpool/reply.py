@@ -28,6 +28,9 @@ Contract:
   ``x-carpool-usage: missing`` (nothing is invented); one whose ``usage`` is its share of a
   merged embeddings call's (``Answer.usage_apportioned``) carries
   ``x-carpool-usage: apportioned``, whoever it is served to (a hit, a joiner, a replay too).
+- ``unstreamable``: why ``whole`` could not make an answer's stream (a stored body that no
+  carpool wrote: something else wrote where a store keeps it), before a reply is made of it:
+  such an answer is a miss to a streaming client, never a 500 (``lead.unservable``).
 - ``age_header(seconds)``: a hit's ``age`` (whole seconds, never negative), however the hit
   came: a stored answer, another worker's, an idempotent replay.
 - ``error_reply``: an error as its API shapes it (Anthropic's for Messages, OpenAI's otherwise);
@@ -250,6 +253,21 @@ def whole(
         reply.with_usage = partial(_with_usage, answer)
     reply.answered = lambda: answer  # (a stream of a whole answer; not of a failure, above)
     return reply
+
+
+def unstreamable(answer: Answer, include_usage: bool) -> str | None:
+    """Why ``whole`` cannot make the stream of ``answer`` for a streaming client (``include_usage``
+    as it asked): what its body raised, which its API could not make a stream of; None: it can.
+    What is made is kept (``Answer.sse``): the reply made next makes nothing again. An answer with
+    its own frames that is complete is not parsed at all."""
+    try:
+        if not answer.complete:
+            if failure_of(api_of(answer.kind), exact_json.loads(answer.body)) is not None:
+                return None  # (``whole`` sends its failure: an error event)
+        answer.sse(include_usage)
+    except Exception as error:  # (whatever the API meets in a body it never made)
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _with_usage(answer: Answer) -> bytes:

@@ -11,6 +11,7 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 import redis.asyncio as aredis
 
@@ -101,6 +102,21 @@ async def test_a_key_that_is_not_a_fingerprint_is_hashed(
     assert len(entry_keys) == 2
     assert all(len(key) == len("carpool:e:{}") + 40 for key in entry_keys)
     assert await store.get(EVIL) is not None and await store.get(FINGERPRINT) is None
+
+
+async def test_an_entry_an_older_carpool_wrote_without_its_body_length_is_read_as_ever(
+    store: RedisStore, raw: aredis.Redis
+) -> None:
+    """A fleet mid-upgrade shares one cache: an entry's header says its body's length (a body
+    cut short is no entry: ``test_redis_corrupt.py``), an older carpool's says none, and that
+    one is read unchecked. (An older carpool reads a newer one's, passing over the field.)"""
+    await store.put(FINGERPRINT, entry())
+    key = f"carpool:e:{{{FINGERPRINT}}}"
+    header = orjson.loads(await raw.hget(key, "m"))
+    assert header.pop("bl") == 100
+    await raw.hset(key, "m", orjson.dumps(header))
+    read = await store.get(FINGERPRINT, "chat")
+    assert read is not None and read.answer.body == b"x" * 100
 
 
 async def test_index_keys_expire_with_their_entries_and_counts_go_to_zero(

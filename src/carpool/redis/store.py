@@ -25,8 +25,9 @@ Contract (on top of ``store.base``):
   ``RedisFull`` (a ``StoreUnavailable``) and leaves nothing of it (an entry written as Redis
   filled up, its count refused, is dropped again); gets and invalidations work as ever.
 - A value under an entry's key that carpool cannot read as an entry (something else wrote it:
-  ``store_layout.Unreadable``, or a key of another type, ``WRONGTYPE``) is a miss, never an
-  error: Redis answered (no ``StoreUnavailable``, no degraded period). It is logged and dropped
+  ``store_layout.Unreadable``, or a key of another type, ``WRONGTYPE``; a body of another
+  length than its header says, an answer of another API than ``get``'s ``kind``, all checked
+  without parsing the body) is a miss, never an error: Redis answered (no ``StoreUnavailable``, no degraded period). It is logged and dropped
   (unless an entry was put there since), so it costs one miss, not one per request until it
   expires; an invalidation that meets one drops it too. An index that is not carpool's (a
   member that names no entry: taken out of it; a key of another type: dropped, and every entry
@@ -184,7 +185,8 @@ class RedisStore:
     def bytes(self) -> int:
         return self._bytes
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, key: str, kind: str | None = None) -> Entry | None:
+        """``key``'s entry; ``kind``: the API of the request whose key it is (``Store.get``)."""
         entry_id = key_id(key)
         try:
             with _unavailable("get"):
@@ -195,7 +197,7 @@ class RedisStore:
             return None
         self.refresh_soon()
         try:
-            return decode(read, self._clock.now())
+            return decode(read, self._clock.now(), kind)
         except Unreadable as error:
             await self._unreadable(entry_id, read[1], str(error))
             return None

@@ -5,7 +5,8 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
 
     P e:{ID}          HASH, PX = TTL    one entry: m = orjson header (version, kind, complete,
                                         tokens, created, expires: the writer's clock, not
-                                        judged; usage_frame, frame lengths, tags, namespace),
+                                        judged; usage_frame, frame lengths, tags, namespace,
+                                        body length: an older carpool's has none),
                                         b = body bytes, f = the frames concatenated (absent
                                         when the answer did not stream), tg = ",D1,D2," tag
                                         digests, ns = namespace digest, pp = prompt prefix,
@@ -46,7 +47,14 @@ Key layout (``P`` = the prefix, default ``carpool:``; ``{...}`` is a Redis Clust
 - A value under an entry's key that no carpool wrote (something else wrote the key: a hash
   ``decode`` cannot read, ``Unreadable``, or another type, ``WRONGTYPE``) is dropped by the
   first get that reads it (``UNREADABLE``, if it is still the value read) or invalidation
-  that meets it (``DROP``): a miss, once.
+  that meets it (``DROP``): a miss, once. ``decode`` checks what it can without parsing the
+  body (a hit must not): its length against the header's (a body cut short, or another one
+  put in its place), the answer's kind against the reader's API (the key is the request's
+  fingerprint, which its API scopes: an entry of another kind under it was edited). A header
+  field a reader does not know is passed over (an older carpool reads a newer one's entries,
+  body length and all: a fleet mid-upgrade shares its cache); one it lacks is checked only
+  when a carpool that writes it has to (an older carpool's entry has no body length: read
+  unchecked).
 - Every time here is Redis's (ms, ``TIME``, read by each script: ``REDIS_NOW``), never an instance's,
   whose wall clocks may be minutes apart: scripts are sent TTLs and ages, and ``GET`` returns
   Redis's now with the entry, so that its reader judges the entry's age and expiry on the same
@@ -301,6 +309,7 @@ def encode(entry: Entry) -> list[Any]:
             "fl": None if answer.frames is None else [len(f) for f in answer.frames],
             "tags": list(entry.tags),
             "ns": entry.namespace,
+            "bl": len(answer.body),  # (``decode``: a body cut short is read as none)
         }
     )
     fields: list[Any] = [
@@ -324,16 +333,18 @@ class Unreadable(ValueError):
     """A value under an entry's key that is no entry carpool wrote (``decode``)."""
 
 
-def decode(read: list[Any], now: float) -> Entry | None:
+def decode(read: list[Any], now: float, kind: str | None = None) -> Entry | None:
     """The entry of ``GET``'s reply (Redis's now in ms, then the hash fields ``m``, ``b``,
     ``f``, ``pp``, ``cr``, ``xm``); None if it is absent, of another format or expired (by
     Redis's clock). Its answer's ``created`` and its ``expires`` are on the reader's clock,
     whose reading is ``now``: as long ago and ahead of it as they are of Redis's now, so that
     the reader's ages (``Age``, ``max-age``, its own TTL) are Redis time, whatever its clock
     and the writer's. ``Unreadable`` if it is none that carpool writes: a header that is no
-    JSON object, a field missing or of another type, frame lengths that are not the frames'
-    (checked here, on every read: read later, such a value failed the request it was served
-    to)."""
+    JSON object, a field missing or of another type, frame lengths that are not the frames',
+    a body of another length than the header says (none said: an older carpool's entry), an
+    answer of another kind than ``kind`` (the API of the request whose key was read; None:
+    not known) (checked here, on every read, without parsing the body: read later, such a
+    value failed the request it was served to, or was served as a hit)."""
     redis_now, header, body, frames, prompt_prefix, created_ms, expires_ms = read
     if header is None:
         if body is None and frames is None and prompt_prefix is None:
@@ -348,7 +359,7 @@ def decode(read: list[Any], now: float) -> Entry | None:
     if meta["v"] != FORMAT:
         return None  # (another version's: a rolling upgrade, not ours to drop)
     try:
-        expires, kind, complete, tokens = meta["x"], meta["k"], meta["c"], meta["t"]
+        expires, entry_kind, complete, tokens = meta["x"], meta["k"], meta["c"], meta["t"]
         created, usage_frame, lengths = meta["cr"], meta["u"], meta["fl"]
         tags, namespace = meta["tags"], meta["ns"]
     except KeyError as missing:
@@ -357,7 +368,7 @@ def decode(read: list[Any], now: float) -> Entry | None:
         body is not None
         and _number(expires)
         and _number(created)
-        and kind in APIS
+        and entry_kind in APIS
         and type(complete) is bool
         and type(tokens) is int
         and isinstance(tags, list)
@@ -365,6 +376,11 @@ def decode(read: list[Any], now: float) -> Entry | None:
         and isinstance(namespace, str)
     ):
         raise Unreadable("a header field of another type, or no body")
+    length = meta.get("bl")  # (None: an older carpool's entry, read as it was)
+    if length is not None and (type(length) is not int or length != len(body)):
+        raise Unreadable(f"a body of {len(body)} bytes where its header says {length!r}")
+    if kind is not None and entry_kind != kind:
+        raise Unreadable(f"an answer of kind {entry_kind!r} under a key of {kind!r}")
     expires_at = _float(expires_ms)
     # (An entry of an older carpool has no ``cr``: its header's, the writer's wall clock.)
     created_at = created * 1000 if created_ms is None else _float(created_ms)
@@ -383,7 +399,7 @@ def decode(read: list[Any], now: float) -> Entry | None:
         raise Unreadable("a prompt prefix that is no UTF-8") from None
     return Entry(
         Answer(
-            kind,
+            entry_kind,
             body,
             complete,
             tokens,

@@ -1,7 +1,9 @@
 """The exact-cache store interface every backend implements.
 
 Contract:
-- ``get(key)`` returns the stored ``Entry`` or None; an expired entry is never returned.
+- ``get(key, kind)`` returns the stored ``Entry`` or None; an expired entry is never returned,
+  nor one a backend others write to cannot read as carpool's (``redis.store``: of another
+  ``kind`` than the API of the request whose key it is, its body cut short...).
 - ``put(key, entry)`` stores a complete answer until ``entry.expires`` (wall-clock seconds); it
   replaces any entry under the same key. An entry already expired (``expires`` <= now: an
   answer back-dated by an upstream's ``age``) is not stored: it counts nothing and evicts
@@ -129,7 +131,11 @@ class Store(Protocol):
     exists with it (``Gateway.repeat_now``). Such a store's ``put`` never waits either: a
     flight's clients reply before it stores their answer, in the same turn (``Leader.lead``)."""
 
-    async def get(self, key: str) -> Entry | None: ...
+    async def get(self, key: str, kind: str | None = None) -> Entry | None:
+        """``key``'s entry. ``kind``: the API of the request whose key it is (None: not known),
+        which a backend that others can write to (Redis) checks the answer's against: the key
+        scopes its API, so an answer of another is no entry carpool put there."""
+        ...
 
     async def put(self, key: str, entry: Entry) -> None: ...
 

@@ -205,8 +205,8 @@ class MemoryStore:
         no objects)."""
         return packed_size_of(key, entry)
 
-    async def get(self, key: str) -> Entry | None:
-        return self.get_now(key)
+    async def get(self, key: str, kind: str | None = None) -> Entry | None:
+        return self.get_now(key)  # (its entries are this process's: each of its key's kind)
 
     def get_now(self, key: str) -> Entry | None:
         """``get`` without a coroutine, for the hot path."""

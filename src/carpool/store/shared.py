@@ -187,11 +187,11 @@ class SharedStore:
             self._answered()
         return dropped
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, key: str, kind: str | None = None) -> Entry | None:
         if self._skip_redis():
             return self.local.get_now(key)
         try:
-            entry = await self.redis.get(key)
+            entry = await self.redis.get(key, kind)
         except (PoolExhausted, SlotMoving) as error:
             # Not an outage: the local store is not in use (nothing there is kept up to date
             # with invalidations), so this lookup is a miss.
