@@ -47,11 +47,10 @@ FP, OTHER_FP = "f" * 32, "0" * 32
 
 OK = StoredResponse(
     200,
-    [
-        (b"content-type", b"application/json"),
-        (b"x-request-id", b"r1"),
-        (b"set-cookie", b"a=1"),
-        (b"set-cookie", b"b=\xff\xe9"),
+    [  # (the headers a record keeps: ``replayable``)
+        (b"content-type", b"application/json; x=\xff\xe9"),
+        (b"x-carpool-usage", b"missing"),
+        (b"cache-control", b"no-store"),
     ],
     b'{"id":"chatcmpl-1","choices":[]}\n' + bytes(range(256)),
 )
@@ -273,6 +272,24 @@ async def begin_and_die(make: Make, records: IdempotencyRecords, key: str = "k")
     token = await begin_new(owner, key)
     await owner.aclose()
     return token
+
+
+async def test_a_record_keeps_only_the_headers_a_replay_repeats(
+    records: IdempotencyRecords,
+) -> None:
+    """Its content type, its ``x-carpool-usage`` and ``Cache-Control: no-store``, whatever it
+    is given: a framing header kept (``content-length``, ``transfer-encoding``) was replayed
+    beside the one the transport writes, the body framed twice."""
+    token = await begin_new(records)
+    others = [
+        (b"content-length", b"3"),
+        (b"transfer-encoding", b"chunked"),
+        (b"x-request-id", b"r1"),
+        (b"set-cookie", b"a=1"),
+        (b"cache-control", b"no-cache"),
+    ]
+    assert await records.finish("k", token, replace(OK, headers=[*others, *OK.headers])) is True
+    assert (await records.begin("k", FP)).response == OK
 
 
 @pytest.mark.parametrize("response", [OK, BAD_GATEWAY], ids=["200", "502"])

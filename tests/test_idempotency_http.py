@@ -8,6 +8,7 @@ import contextlib
 import gc
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 from carpool.apis.base import Api
 from carpool.clock import ManualClock
 from carpool.config import Config
-from carpool.idempotency import once
+from carpool.idempotency import StoredResponse, once
 from carpool.idempotency.once import MAX_KEYED_ITEMS, OFF_LOOP_BYTES
 from carpool.pipeline import Gateway
 from carpool.server import create_app
@@ -1058,3 +1059,48 @@ async def test_an_embeddings_retry_asking_a_stream_is_replayed_as_json(gw, fake)
     assert retry.headers["idempotent-replayed"] == "true"
     assert retry.headers["content-type"].startswith("application/json")
     assert retry.json() == first.json() and fake.count("/v1/embeddings") == 1
+
+
+@pytest.mark.parametrize("http", ["carpool", "httptools"])
+@pytest.mark.parametrize(
+    "framing", [(b"content-length", b"3"), (b"transfer-encoding", b"chunked")], ids=lambda h: h[0]
+)
+async def test_a_replay_frames_its_body_once_whatever_headers_its_record_was_given(
+    fake, http, framing
+):
+    """A record keeps only the headers a replay repeats (``records.replayable``), whatever its
+    finish is given: a framing header kept went out beside the one the transport writes (two
+    ``content-length``, or ``chunked`` over a body that is not), under carpool's protocol and
+    through ASGI (uvicorn's own): a client hung or read a body cut short, a proxy desynced."""
+    gateway = build_gateway(Config(upstreams=[fake.url]))
+    records = gateway.once.records
+    finish = records.finish
+
+    async def with_framing(key: str, token: str, response: StoredResponse) -> bool:
+        return await finish(key, token, replace(response, headers=[*response.headers, framing]))
+
+    records.finish = with_framing  # type: ignore[method-assign]
+    options = {} if http == "carpool" else {"http": "httptools"}
+    payload = orjson.dumps(body_of_chat())
+    async with serve_app_with_server(create_app(gateway), **options) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as client:
+            first = await client.post(CHAT, json=body_of_chat(), headers=KEY)
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        try:
+            writer.write(
+                b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                % CHAT.encode()
+                + b'idempotency-key: "order-42"\r\nconnection: close\r\n'
+                + b"content-length: %d\r\n\r\n" % len(payload)
+                + payload
+            )
+            wire = await asyncio.wait_for(reader.read(), WAIT_S)  # (to its close)
+        finally:
+            writer.close()
+    head, _, body = wire.partition(b"\r\n\r\n")
+    lines = [line.lower() for line in head.split(b"\r\n")[1:]]
+    assert b"idempotent-replayed: true" in lines
+    assert [line for line in lines if line.startswith((b"content-length:", b"transfer-"))] == [
+        b"content-length: %d" % len(body)
+    ]
+    assert orjson.loads(body) == first.json() and fake.count() == 1

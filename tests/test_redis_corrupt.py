@@ -230,6 +230,19 @@ SPOILED_RECORDS: dict[str, Spoil] = {
     "a status that is no number": lambda c, k: _field(c, k, "st", b"abc"),
     "a status no HTTP answer has": lambda c, k: _field(c, k, "st", b"9999"),
     "no body": lambda c, k: c.hdel(k, "b"),
+    # (Its writer keeps only a content type, what it says of its usage and ``no-store``: a
+    # framing header replayed beside the one the transport writes framed the body twice.)
+    "a content-length of its own": lambda c, k: _field(
+        c, k, "h", b'[["content-type","application/json"],["content-length","3"]]'
+    ),
+    "a transfer-encoding of its own": lambda c, k: _field(
+        c, k, "h", b'[["content-type","application/json"],["transfer-encoding","chunked"]]'
+    ),
+    "a header its writer never keeps": lambda c, k: _field(
+        c, k, "h", b'[["content-type","application/json"],["set-cookie","a=b"]]'
+    ),
+    # (Taken for no record: its request ran again.)
+    "no state": lambda c, k: c.hdel(k, "s"),
     "a string where a hash belongs (WRONGTYPE)": _string,
 }
 
@@ -273,3 +286,18 @@ async def test_a_retry_of_an_idempotency_record_that_cannot_be_read_is_told_so_n
             assert "full" not in problem["detail"]
             assert problem["message"] == problem["detail"]
         assert fake.count() == 1
+
+
+async def test_an_idempotency_record_made_before_any_clock_is_replayed_with_the_greatest_age(
+    fake: Any, redis_server: Any
+) -> None:
+    """A made time something else wrote, aeons ago: the replay's ``age`` is RFC 9111's greatest
+    (2147483648, section 1.2.2), not a number of 300 digits."""
+    key = {"Idempotency-Key": "order-1"}
+    async with raw(redis_server) as client, gateways(2, fake, redis_server) as (a, b):
+        first = await a.chat("q", headers=key)
+        (record,) = [k async for k in client.scan_iter(match="carpool:idem:*")]
+        await client.hset(record, "cr", b"-1e300")
+        retry = await b.chat("q", headers=key)
+        assert (retry.status_code, retry.headers["age"]) == (200, "2147483648")
+        assert retry.json() == first.json() and fake.count() == 1

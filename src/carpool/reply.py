@@ -2,7 +2,11 @@
 
 Contract:
 - A ``Reply`` is a status, headers (raw ASGI pairs; ``x-carpool`` on every cached endpoint's) and
-  a body or an SSE stream. A streaming one holds its request's place in its flight until
+  a body or an SSE stream. Its headers never frame its body (no ``content-length`` nor
+  ``transfer-encoding``): the transports write their own beside them without a look at each
+  (no hit pays for one), so headers taken from outside the gateway's code are filtered where
+  they are taken in (another worker's answer: ``peers.workers``; an idempotency record keeps
+  none: ``idempotency.records.replayable``). A streaming one holds its request's place in its flight until
   ``Reply.close()``, which the transport calls when the stream ends or the client goes.
 - A long body need not be one piece: a ``Reply.parted``'s ``parts`` are the runs of pieces it
   is made of (a streamed hit's frames, shared with its answer), joined only if its ``body`` is

@@ -32,13 +32,13 @@ import asyncio
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..clock import SYSTEM_CLOCK, Clock
 from ..lru import SLOT_BYTES, held
 from .finished import NODE_BYTES, Finished
-from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token
+from .records import PROCESSING_TTL, Begin, StoredResponse, _new_token, replayable
 
 log = logging.getLogger("carpool.idempotency")
 
@@ -162,7 +162,9 @@ class MemoryIdempotencyRecords:
         if record is None:
             return False
         del self._running[key]  # among the finished, with its response's size, as the newest
-        record.response, record.owner = _copy(response), None
+        # (A copy, with the headers a record keeps: ``records``.)
+        record.response = replace(response, headers=replayable(response.headers))
+        record.owner = None
         record.expires = self._clock.monotonic() + self.retention
         record.wake()
         before = self._records.evictions

@@ -25,12 +25,13 @@ Contract:
 - A finished key is replayed (``replay_as``): its first answer in the retry's format, with
   ``idempotent-replayed: true`` and the ``hit`` outcome, and, as every hit, ``age``: the
   seconds since its answer was made (``StoredResponse.created``: the first reply's time on the
-  gateway's clock, less the ``age`` that reply said; none for a record kept without it),
+  gateway's clock, less the ``age`` that reply said; none for a record kept without it; at
+  most RFC 9111's greatest, 2147483648),
   without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
   form in that format. A list's item replayed from its record counts its age as well. A replay
   says what its answer's ``x-carpool-usage`` says (``apportioned``, ``missing``), no other
   header but its content type (and, for a 5xx, ``x-should-retry: false``: a retry with the
-  key gets it again); an answer of an API with streams is replayed with the usage
+  key gets it again): its record keeps no other (``records.replayable``); an answer of an API with streams is replayed with the usage
   the retry asks for, as a hit of it is served (``replay_as``): ``stream_options.include_usage``
   is outside the request's digest, so a retry may differ in it.
 - A finished key whose record holds, in place of its response, that it ran and its response
@@ -84,7 +85,7 @@ from ..identity import AcceptedCredentials, other_credentials
 from ..metrics import Stats
 from ..outcome import Outcome, list_outcome
 from ..reply import JSON, NO_STORE, USAGE_MISSING, Reply, age_header, error_reply, refusal
-from ..request import ClientRequest, Request, list_input, list_items, merge_items
+from ..request import MAX_AGE, ClientRequest, Request, list_input, list_items, merge_items
 from .errors import (
     IdempotencyConflict,
     IdempotencyFormatMismatch,
@@ -94,7 +95,7 @@ from .errors import (
 )
 from .final import answer_is_final, is_final, replay_as, replayed, saved_tokens
 from .header import HEADER, HEADER_ALIAS, REPLAYED_HEADER
-from .records import IdempotencyRecords, StoredResponse
+from .records import IdempotencyRecords, StoredResponse, replayable
 
 # Items of a list input under an Idempotency-Key, at most (OpenAI's own limit for embeddings
 # inputs): each is an upstream call and a record of its own.
@@ -297,7 +298,7 @@ class AtMostOnce:
             kept = reply.with_usage() if reply.with_usage is not None else None
             stored = StoredResponse(
                 reply.status,
-                _replayable(reply.headers),
+                replayable(reply.headers),
                 reply.body if kept is None else kept,
                 request.stream,
                 self._made(reply),
@@ -321,7 +322,7 @@ class AtMostOnce:
                 request.kind,
                 StoredResponse(
                     reply.status,
-                    _replayable(reply.headers),
+                    replayable(reply.headers),
                     b"",
                     request.stream,
                     self._made(reply),  # (its head: a hit's age is known before its frames)
@@ -344,7 +345,8 @@ class AtMostOnce:
         was made."""
         if response.created is None:
             return None
-        return max(0, int(self.clock.now() - response.created))
+        # (A made time something else wrote, aeons ago: RFC 9111's greatest age, 1.2.2.)
+        return min(MAX_AGE, max(0, int(self.clock.now() - response.created)))
 
     def _refused(self, error: CarpoolError, request: Request) -> Reply:
         """The gateway's own refusal of a keyed request (409, 422, 503; 507: it ran, its
@@ -400,7 +402,7 @@ class AtMostOnce:
                 )
                 return (
                     StoredResponse(
-                        error.status, _replayable(error_reply(error, None).headers), error.body()
+                        error.status, replayable(error_reply(error, None).headers), error.body()
                     ),
                     Outcome.BYPASS,
                     None,
@@ -411,7 +413,7 @@ class AtMostOnce:
                 await _shielded(records.abandon(item_key, begin.token))
                 raise
             stored = StoredResponse(
-                reply.status, _replayable(reply.headers), reply.body, created=self._made(reply)
+                reply.status, replayable(reply.headers), reply.body, created=self._made(reply)
             )
             outcome = reply.outcome or Outcome.MISS
             age = _said_age(reply.headers)
@@ -487,19 +489,6 @@ def _said_age(headers: list[tuple[bytes, bytes]]) -> int | None:
     return next((int(v) for k, v in headers if k == b"age" and v.isdigit()), None)
 
 
-def _replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """What a replay repeats of the first answer's headers: its content type, what it says of
-    its usage (``x-carpool-usage``: the body it repeats is the same) and ``Cache-Control:
-    no-store`` (an answer the upstream said no cache may store: ``reply.NO_STORE``), not its
-    outcome (nor a stream's ``no-cache``, which a replay's own form says or not)."""
-    return [
-        (name, value)
-        for name, value in headers
-        if name in _REPLAYED_HEADERS or (name, value) == NO_STORE
-    ]
-
-
-_REPLAYED_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
 # A replayed 5xx (the engine's failure, final: ``is_final``) is what every retry with its key
 # gets: the SDKs, which retry a 5xx on their own, are told not to spend their retries on it.
 _NOT_RETRIED = (b"x-should-retry", b"false")
@@ -637,7 +626,7 @@ def _item_failed(index: int | None) -> StoredResponse:
     """What a list request answers when the upstream's 200 for an item is not an answer."""
     which = f"item {index}" if index is not None else "an item"
     error = UpstreamError(f"the upstream's answer to {which} of the list is not a complete answer")
-    return StoredResponse(error.status, _replayable(error_reply(error, None).headers), error.body())
+    return StoredResponse(error.status, replayable(error_reply(error, None).headers), error.body())
 
 
 _Ts = TypeVarTuple("_Ts")

@@ -16,13 +16,15 @@
   * a record with another fingerprint, whatever its state -> ``"mismatch"`` (422);
   * PROCESSING -> ``"processing"`` (409, or ``wait`` for it);
   * SUCCESS/FAILED -> ``"done"`` with the stored response, to be replayed (in the same format
-    and with the same usage asked: status, headers, body byte for byte; see ``replay_as``) plus
-    ``idempotent-replayed: true``,
+    and with the same usage asked: status, headers (those it keeps), body byte for byte; see
+    ``replay_as``) plus ``idempotent-replayed: true``,
     without calling upstream, with its ``age`` (from ``response.created``).
 - ``finish(key, token, response)``: only the owner token of a live PROCESSING record may finish;
   the record becomes SUCCESS (2xx) or FAILED (any other status: an upstream error is replayed
   too) and is kept ``retention`` seconds from now, with ``response.streamed``. The records
-  store what they are given: telling final from retryable (``is_final``) is the caller's job.
+  store what they are given, of its headers only those a replay repeats (``replayable``: a
+  framing one, ``content-length`` or ``transfer-encoding``, replayed beside the transport's
+  own, framed the body twice): telling final from retryable (``is_final``) is the caller's job.
   Returns whether it was stored (False: not the owner, or the lease ran out / the record was
   evicted, so the answer is not kept).
 - ``abandon(key, token)``: the owner gives up without a final answer (its client left and the
@@ -58,7 +60,26 @@ import secrets
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from ..reply import NO_STORE
+
 PROCESSING_TTL = 660.0  # s: the default upstream timeout (600) + a margin
+
+# The headers of its answer a record keeps, and so all a replay repeats (``replayable``).
+_KEPT_HEADERS = frozenset({b"content-type", b"x-carpool-usage"})
+
+
+def replayable(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """What a record keeps of an answer's headers, and all a replay repeats of them: its
+    content type, what it says of its usage (``x-carpool-usage``: the body it repeats is the
+    same) and ``Cache-Control: no-store`` (an answer the upstream said no cache may store:
+    ``reply.NO_STORE``); not its outcome (nor a stream's ``no-cache``, which a replay's own
+    form says or not), nor its framing (``content-length``, ``transfer-encoding``: the
+    transport writes its own, which a record's beside it would contradict)."""
+    return [
+        (name, value)
+        for name, value in headers
+        if name in _KEPT_HEADERS or (name, value) == NO_STORE
+    ]
 
 
 @dataclass(slots=True)

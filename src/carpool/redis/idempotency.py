@@ -46,9 +46,10 @@ is read as before: its writer's wall clock, on this instance's (a rolling upgrad
 live for the retention at most); the writer's wall clock is still kept for older gateways'
 reads.
 
-A record that cannot be read (something else wrote the key: a field missing or malformed, a
-status no HTTP answer has, a key of another type, ``WRONGTYPE``) is a request that ran, or may
-have, whose response was not kept: ``begin`` and ``wait`` answer it as ``_UNREADABLE_ANSWER``
+A record that cannot be read (something else wrote the key: a field missing or malformed, its
+state among them, a status no HTTP answer has, a header its writer never keeps, a framing one
+above all, a key of another type, ``WRONGTYPE``) is a request that ran, or may have, whose
+response was not kept: ``begin`` and ``wait`` answer it as ``_UNREADABLE_ANSWER``
 (the 507 a full Redis leaves, its message saying why: the record could not be read, which the
 retry is told as it is), logged with the record's digest, and
 the health is told Redis answered. Its key never runs again (a request that ran would), nor
@@ -70,9 +71,10 @@ import orjson
 from typing_extensions import Unpack
 
 from ..clock import SYSTEM_CLOCK, Clock
-from ..http_syntax import CONTROL, TOKEN
+from ..http_syntax import CONTROL
 from ..idempotency import SSE_TYPE, Begin, StoredResponse, _new_token
 from ..idempotency.errors import IdempotencyResponseNotKept
+from ..idempotency.records import replayable
 from .connection import (
     ALWAYS,
     BACKOFF_MIN,
@@ -109,14 +111,16 @@ FINISH_RETRY_MAX = 0.25  # s at most between two tries of a finish that Redis fa
 CLOSE_WAIT_S = 1.0  # s ``aclose`` lets a finish on its way land before cancelling it
 
 # KEYS[1] = the record; ARGV = fingerprint, token, lease ms. A finished record comes with
-# Redis's now (ms), last, for the age of its answer (``_decode``).
+# Redis's now (ms), last, for the age of its answer (``_decode``). Only no key at all is
+# ``new``: a hash without its state is ``stateless`` (answered as unreadable, never run again).
 _BEGIN = (
     ALWAYS
     + REDIS_NOW
     + """
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 't')
 if not rec[1] then
-  redis.call('DEL', KEYS[1])
+  -- A record without its state (something else's edit): it may have run. Never 'new'.
+  if redis.call('EXISTS', KEYS[1]) == 1 then return {'stateless'} end
   redis.call('HSET', KEYS[1], 's', 'p', 'fp', ARGV[1], 't', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'new'}
@@ -250,6 +254,8 @@ class RedisIdempotencyRecords:
                        s  = p (PROCESSING) | s (SUCCESS) | f (FAILED) | r (RELEASED)
                        fp = the request fingerprint       t = the owner token
                        st = status (decimal)              h = headers, orjson [[name, value]...]
+                                                              (only those a record keeps:
+                                                              ``records.replayable``)
                        b  = body bytes                        (latin-1 strings: byte-exact)
                        m  = 1 if the request streamed, else 0 (absent in records written
                             before it existed: then the stored content type says)
@@ -366,6 +372,8 @@ class RedisIdempotencyRecords:
         if state == "done":
             *fields, redis_now = reply[1:]
             return Begin("done", response=_decode(record_key, fields, redis_now, self._clock.now()))
+        if state == "stateless":
+            return Begin("done", response=_unreadable(record_key, "a record without its state"))
         return Begin(state)
 
     async def finish(self, key: str, token: str, response: StoredResponse) -> bool:
@@ -472,7 +480,7 @@ class RedisIdempotencyRecords:
 
     def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
         headers = orjson.dumps(
-            [[n.decode("latin-1"), v.decode("latin-1")] for n, v in response.headers]
+            [[n.decode("latin-1"), v.decode("latin-1")] for n, v in replayable(response.headers)]
         )
         # (Sent as a duration, stamped on Redis's clock: this instance's may be minutes off.)
         made = response.created
@@ -651,8 +659,10 @@ def _decode(record_key: str, fields: list[Any], redis_now: Any, now: float) -> S
     try:
         code = int(status)
         named = [(n, v) for n, v in orjson.loads(headers)]
-        readable = all(TOKEN.fullmatch(n) and not CONTROL.search(v) for n, v in named)
         pairs = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in named]
+        # Only what its writer keeps (``replayable``): another header, a framing one above all
+        # (``content-length``, ``transfer-encoding``), went out beside the transport's own.
+        readable = not any(CONTROL.search(v) for _, v in named) and replayable(pairs) == pairs
         if made_ms:
             made: float | None = now - max(0.0, int(redis_now) - float(made_ms)) / 1000
         else:
@@ -662,7 +672,9 @@ def _decode(record_key: str, fields: list[Any], redis_now: Any, now: float) -> S
     if not (
         readable and 100 <= code <= 599 and isinstance(body, bytes) and math.isfinite(made or 0.0)
     ):
-        return _unreadable(record_key, "a status, header, body or time no answer has")
+        return _unreadable(
+            record_key, "a status, body or time no answer has, or a header none keeps"
+        )
     if streamed is None:  # written before the field existed: the content type says
         streamed = any(n == b"content-type" and v.startswith(SSE_TYPE) for n, v in pairs)
     return StoredResponse(code, pairs, body, streamed in (True, b"1"), made)
