@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import stat
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 import pytest
@@ -580,6 +582,77 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
     finally:
         await door.aclose()
         peers.remove(directory)
+
+
+def out_of_descriptors_once(worker: Peers, owner: int) -> None:
+    """``worker``'s next connection to ``owner``'s socket fails as it does in a process with no
+    file descriptor left (``carpool serve --workers 2`` under a low ``nofile`` limit): aiohttp's
+    ``ClientConnectorError`` of ``EMFILE``, the socket never opened, ``owner`` alive. The
+    connection after it opens."""
+    connector = worker._session(owner).connector
+    assert connector is not None
+    connect = connector.connect
+
+    async def short(request: Any, traces: Any, timeout: Any) -> Any:
+        connector.connect = connect  # type: ignore[method-assign]
+        shortage = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        raise aiohttp.ClientConnectorError(request.connection_key, shortage)
+
+    connector.connect = short  # type: ignore[method-assign]
+
+
+async def test_a_keyed_request_on_a_worker_out_of_descriptors_is_a_503_and_runs_once_on_its_owner(
+    fake,
+):
+    """A worker with no descriptor left cannot open its socket to the live owner of a keyed
+    request's record: taken for a dead owner, the request was waited on, run here (its record
+    here), the owner held for gone; the retry, reaching the owner, found no record there and the
+    generation ran twice under one Idempotency-Key. It is the gateway's own want, as for an
+    upstream call: a 503 ``gateway_overloaded`` with ``Retry-After``, nothing run, the owner not
+    blamed; the retry runs once on the owner, and the next is replayed from its record."""
+    async with two_workers(fake.url) as pair:
+        a = pair.a.gateway
+        assert a.peers is not None
+        key = {"idempotency-key": idempotency_key_owned_by(a, 1)}
+        out_of_descriptors_once(a.peers, 1)
+        refused = await pair.a.chat("Charge my card", headers=key)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "gateway_overloaded"
+        assert refused.headers["retry-after"] == "1"
+        assert fake.count() == 0 and 1 not in a.peers._gone
+        counts = a.snapshot()
+        assert (counts["overloaded"], counts["peers"]["unreachable"]) == (1, 0)
+        assert counts["rejected"] == 1  # (this worker's own refusal, as for an owner it lacks)
+        ran = await pair.a.chat("Charge my card", headers=key)
+        assert ran.status_code == 200 and fake.count() == 1
+        replayed = await pair.b.chat("Charge my card", headers=key)
+        assert replayed.json() == ran.json() and fake.count() == 1
+        assert pair.b.gateway.snapshot()["peers"]["served"] == 1
+
+
+async def test_a_call_asked_of_the_owner_by_a_worker_out_of_descriptors_is_a_503_not_a_call_here(
+    fake,
+):
+    """A flight's call asked of its key's live owner by a worker with no descriptor left: taken
+    for an owner that did not answer, it was called here (a second upstream call for the key)
+    and the owner counted ``unreachable``. The gateway's own want: a 503 ``gateway_overloaded``
+    with ``Retry-After``, no upstream call; asked again, the owner makes the one call."""
+    async with two_workers(fake.url) as pair:
+        a = pair.a.gateway
+        assert a.peers is not None
+        question = owned_by(a, 1)
+        out_of_descriptors_once(a.peers, 1)
+        refused = await pair.a.chat(question)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "gateway_overloaded"
+        assert refused.headers["retry-after"] == "1"
+        assert fake.count() == 0
+        counts = a.snapshot()
+        assert (counts["overloaded"], counts["peers"]["unreachable"]) == (1, 0)
+        assert counts["upstream_errors"] == 0
+        answered = await pair.a.chat(question)
+        assert answered.status_code == 200 and answered.headers["x-carpool"] == "miss"
+        assert fake.count() == 1 and pair.b.gateway.snapshot()["upstream_calls"] == 1
 
 
 async def test_joiners_timing_out_on_a_worker_asking_the_owner_share_one_fresh_call_there(fake):

@@ -144,7 +144,8 @@ class Stats:
         overloaded: Callable[[], int] = lambda: 0,
     ) -> None:
         self.attempts = attempts  # upstream calls: read from the replicas, never counted twice
-        # calls this machine could not open a connection for (``GatewayOverloaded``): likewise
+        # calls this machine could not open a connection for (``GatewayOverloaded``), to a
+        # replica or to a key's owner among the workers: likewise
         self.overloaded = overloaded
         self.outcomes: Counter[Outcome] = Counter()
         self.routes: Counter[tuple[str, str]] = Counter()  # (route, outcome or "error")
@@ -261,7 +262,8 @@ class _StatsCollector(Collector):
             "Upstream calls this machine could not open a connection for (no file descriptor, "
             "no local port; or every connection to the replica busy past "
             "limits.upstream_queue_timeout): a 503 gateway_overloaded unless another replica "
-            "took the call.",
+            "took the call. Among workers, also the calls and keyed requests this worker could "
+            "not open a connection to their key's owner for.",
             value=s.overloaded(),
         )
         routing = CounterMetricFamily(

@@ -119,7 +119,12 @@ def build_layers(
     # The tenants the upstream answered recently: only they read a shared namespace.
     tenant = config.tenant
     accepted = AcceptedCredentials(tenant.accepted_ttl, tenant.accepted_max_entries, clock=clock)
-    stats = Stats(attempts=lambda: replicas.attempts(), overloaded=lambda: replicas.overloaded)
+    # (Calls this machine could not open a connection for: to a replica, or to the worker that
+    # owns a key, ``carpool.peers``.)
+    stats = Stats(
+        attempts=lambda: replicas.attempts(),
+        overloaded=lambda: replicas.overloaded + (peers.overloaded if peers is not None else 0),
+    )
     tracer = Tracer(config.tracing)
     repeats = RepeatMemo(
         names_of(config.tenant),

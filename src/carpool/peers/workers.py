@@ -18,6 +18,15 @@ Contract:
   owner's stream cut short raises ``LeaderLost``, as a Redis follower's does, saying so
   (``LOST``: "lost the stream of the worker leading this call", the Redis path's code), not
   that the upstream broke it; how the stream ended is logged.
+- A connection to an owner this worker could not open for want of its own resources (no file
+  descriptor, no buffer or memory: ``upstream.wire.local_reason``, as for an upstream call) is
+  no sign of the owner's: it is the gateway's own want, as an upstream call's is
+  (``GatewayOverloaded``: a 503 ``gateway_overloaded`` with ``Retry-After``, counted in
+  ``overloaded``, logged once per ``routing.log_interval`` at most). ``ask`` raises it (the
+  flight fails: no call here, which would be a second one for the key while the owner lives);
+  ``run_on`` answers it, in the request's API's shape: nothing run here (its record would be
+  where the retries, reaching the owner, do not look: the generation ran twice), nothing
+  waited, the owner not counted ``unreachable`` nor held for gone.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
@@ -60,8 +69,9 @@ Contract:
   a client for good and says so in the log; a slot that frees later goes to the worker uvicorn
   starts in its holder's place.
 - ``calls`` (asked of an owner), ``unreachable`` (asked, no answer: done here), ``served`` (run
-  here for a peer): ``/stats`` ``peers``. ``calls`` are not ``upstream_calls``: the owner counts
-  its upstream call, once.
+  here for a peer): ``/stats`` ``peers``; ``overloaded`` (an owner this worker had no resources
+  to reach), in ``/stats`` ``overloaded`` with the upstream calls' (``wiring``). ``calls`` are
+  not ``upstream_calls``: the owner counts its upstream call, once.
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ from ..background import stop_reader
 from ..errors import (
     RETRY_HEADERS,
     FlightAbandoned,
+    GatewayOverloaded,
     LeaderLost,
     ShuttingDown,
     UpstreamStreamBroken,
@@ -98,6 +109,7 @@ from ..store.base import StoreUnavailable
 from ..upstream.base import HOP_BY_HOP, UpstreamResponse
 from ..upstream.http import closer, sse_payloads
 from ..upstream.sim.replies import SIMULATED_HEADER
+from ..upstream.wire import local_reason
 from .server import CONNECTION_HEADER, PEER_HEADER, RAW_HEADER, PeerApp, PeerServer
 from .slots import SPARE_PREFIX, Meeting, Slot, claim, socket_path, spare_path, spares
 
@@ -193,6 +205,12 @@ class Peers:
         self.calls = 0
         self.unreachable = 0
         self.served = 0
+        # Owners this worker could not open a connection to for want of its own resources
+        # (``_short``), and when that was last logged (once per ``log_interval`` at most).
+        self.overloaded = 0
+        self._log_interval = config.routing.log_interval
+        self._overload_logged_at: float | None = None
+        self._overload_unlogged = 0
         # Owners a keyed request waited for in vain (``_owner_back``), until one answers.
         self._gone: set[int] = set()
         # This worker is stopping (``Gateway.begin_draining``): an owner is waited for no more.
@@ -218,6 +236,8 @@ class Peers:
                 url, data=orjson.dumps(call.body), headers=headers
             )
         except _FAILED as error:
+            if (shortage := self._short(owner, error)) is not None:
+                raise shortage from error  # (not asked: no call here either, the owner lives)
             self._missed(owner, error)
             return None
         self.calls += 1
@@ -266,6 +286,10 @@ class Peers:
                 response = await self._session(owner).post(url, data=client.body, headers=sent)
                 break
             except _UNREACHED as error:  # nothing was sent: the key may run here
+                if (shortage := self._short(owner, error)) is not None:
+                    # This worker's want, not the owner's death: not run here (its record would
+                    # be where the retries, reaching the owner, do not look), nor waited.
+                    return refusal(shortage, BY_PATH[client.path])
                 if self.index is None:  # (not on a worker without a slot: it owns no record)
                     self._missed(owner, error)
                     return _owner_unreachable(owner, client)
@@ -470,6 +494,39 @@ class Peers:
             return None
         await asyncio.sleep(OWNER_POLL_S)
         return since
+
+    def _short(self, owner: int, error: BaseException) -> GatewayOverloaded | None:
+        """``error`` as this worker's own want (``GatewayOverloaded``), when its connection to
+        ``owner`` could not be opened for lack of a descriptor, buffer or memory here (the
+        upstream calls' ``local_reason``): counted in ``overloaded`` and logged once per
+        ``log_interval`` at most (a burst that took every descriptor fails every request
+        then), with how many came since; None for any other failure (the owner's)."""
+        if not isinstance(error, _UNREACHED):
+            return None
+        reason = local_reason(getattr(error, "os_error", error))
+        if reason is None:
+            return None
+        self.overloaded += 1
+        now = time.monotonic()
+        logged = self._overload_logged_at
+        if logged is not None and now - logged < self._log_interval:
+            self._overload_unlogged += 1
+        else:
+            more, self._overload_unlogged = self._overload_unlogged, 0
+            self._overload_logged_at = now
+            log.warning(
+                "could not open a connection to worker %d: %s on this machine (its clients get "
+                "503%s; %s)",
+                owner,
+                reason,
+                f", {more} more since the last such line" if more else "",
+                GatewayOverloaded.advice,
+            )
+        shortage = GatewayOverloaded(
+            f"the gateway could not open a connection to its worker {owner} ({reason}): retry later"
+        )
+        shortage.reason = reason
+        return shortage
 
     def _missed(self, owner: int, error: BaseException) -> None:
         self.unreachable += 1
