@@ -727,6 +727,25 @@ async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fa
         assert fake.count() == 2
 
 
+async def test_an_invalidation_this_worker_could_not_send_for_want_of_descriptors_is_a_503(fake):
+    """A worker with no descriptor left cannot open its socket to a live worker: taken for a
+    worker that is down (holding nothing), the invalidation said 200, and the other worker
+    served what it dropped nowhere. It says 503 with ``Retry-After``, as for a worker that did
+    not take it."""
+    admin = {"authorization": "Bearer adm"}
+    async with workers(2, fake.url, admin_token="adm") as (w0, w1):
+        question = owned_by(w0.gateway, 1)
+        assert (await w1.chat(question)).headers["x-carpool"] == "miss"
+        assert w0.gateway.peers is not None
+        out_of_descriptors_once(w0.gateway.peers, 1)
+        refused = await w0.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert (await w1.chat(question)).headers["x-carpool"] == "hit"  # (what it kept)
+        again = await w0.client.post("/admin/invalidate", json={"all": True}, headers=admin)
+        assert again.status_code == 200
+        assert (await w1.chat(question)).headers["x-carpool"] == "miss"
+
+
 async def test_an_invalidation_a_live_worker_did_not_take_is_a_503_to_retry_not_a_200(fake):
     """A worker that answers its door but not with the invalidation done (an error, here its
     door's 500) keeps its answers: the admin call said 200 all the same, as if every answer

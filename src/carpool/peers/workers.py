@@ -446,6 +446,11 @@ class Peers:
             ) as response:
                 status, answer = response.status, await response.json(content_type=None)
         except _UNREACHED as error:  # (down: it holds nothing; a spare's stale file, often)
+            if local_reason(getattr(error, "os_error", error)) is not None:
+                # This worker's own want (no descriptor here), not the other's absence: that
+                # one may hold answers, so it did not take the call (an invalidation: a 503).
+                log.warning("worker %s did not take the %s: %s", path.name, what, _why(error))
+                return None
             log.info("worker %s is down: no %s there (%s)", path.name, what, _why(error))
             await self._unreached(path, error)
             return _DOWN
