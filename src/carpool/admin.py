@@ -117,6 +117,7 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
         "redis_full": shared_store.full if shared_store is not None else 0,
         "redis_slot_moving": shared_store.slot_moving if shared_store is not None else 0,
+        "redis_wrong_type": shared_store.wrong_type if shared_store is not None else 0,
         "judge_calls": layers.judge.calls if layers.judge is not None else 0,
         "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
         "semantic_audit_totals": layers.audits.totals() if layers.audits is not None else {},

@@ -255,6 +255,7 @@ class Leader:
                 forget=self.store.forget,
                 # (Asked only of a request that takes any cached answer: its TTL bounds it.)
                 load=partial(self._stored, key.key, oldest, request) if oldest != 0 else None,
+                kind=request.kind,
             )
             # Followed, replayed or loaded: the instance that led it stored it as this one
             # would have (a loaded answer is the stored one).

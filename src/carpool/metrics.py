@@ -315,6 +315,12 @@ class _StatsCollector(Collector):
             "without sharing; Redis not marked down.",
             value=g["redis_slot_moving"],
         )
+        yield CounterMetricFamily(
+            "carpool_redis_wrong_type",
+            "Redis calls refused because a key held another type than carpool writes there "
+            "(WRONGTYPE: something else wrote it): run without sharing; Redis not marked down.",
+            value=g["redis_wrong_type"],
+        )
         yield GaugeMetricFamily(
             "carpool_flights",
             "Upstream calls in flight (and lingering in the coalescing window); with Redis or "

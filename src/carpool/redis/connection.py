@@ -27,7 +27,10 @@ Contract
   third: Redis answered; the layer that reads the key treats it as a value it cannot read
   (``store``: a miss, the key dropped; ``idempotency``: a response not kept), never as an
   outage (:func:`wrong_type` tells it among the replies of a pipeline that returns its
-  errors). A layer that does not handle it takes it as any failure. A command a Redis Cluster
+  errors, or raised by one). A layer that does not handle it takes it as a failed call, which
+  the health counts (``wrong_type``) and logs, starting no degraded period (before, it did:
+  a value something else wrote under one of carpool's names switched sharing off for every
+  key, again each time a request read it). A command a Redis Cluster
   refused while its slot was being migrated (a reshard between its steps: ``TRYAGAIN`` for a
   command on several keys, some moved and some not, or redirections, until redis-py's 16
   tries ran out: ``ClusterError: TTL exhausted``) is :class:`SlotMoving`, a fourth: Redis
@@ -538,11 +541,18 @@ def _translated(what: str) -> Iterator[None]:
 
 def wrong_type(error: BaseException) -> bool:
     """Whether ``error`` is Redis's ``WRONGTYPE`` (a key holding another type than the command
-    works on), as a pipeline run with ``raise_on_error=False`` returns it among its replies."""
+    works on): raised, or as a pipeline run with ``raise_on_error=False`` returns it among its
+    replies."""
     from redis.exceptions import ResponseError
 
-    # (In a script too: Redis >= 7 keeps the error's code at the start of its message.)
-    return isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE")
+    if not isinstance(error, ResponseError):
+        return False
+    # (In a script too: Redis >= 7 keeps the error's code at the start of its message. One a
+    # pipeline's ``execute`` raised says first which command it was: "Command # 2 (XREAD ...)
+    # of pipeline caused error: ('WRONGTYPE ...',)", its error's arguments after; before, a
+    # key of another type read in a pipeline was taken for Redis failing.)
+    said = str(error).rpartition("caused error: ")[2]
+    return said.lstrip("('\"").startswith("WRONGTYPE")
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -42,6 +42,15 @@ message and code, and the engine's own error object of a stream that failed; bot
 ``requester``, whose call it was: ``UpstreamError.for_others``):
 ``answer_record``/``error_record`` write it, ``answer_from``/``error_from`` read it back as the
 same ``Answer`` or the same error.
+
+A record is read only once checked (``frame_from``, ``final_from``): an entry that is neither
+a frame with its index nor a final record, a meta that is no JSON object or lacks a field or
+has one of another type, an answer of another API than the request's or whose body is no JSON
+object, a status that is no integer HTTP defines (a status error's: no 2xx either) is
+``Unreadable``: something else wrote it, and its follower takes it as its leader gone
+(:mod:`.flight_relay`). So is a lock that holds none of the forms above (``CLAIM`` drops it).
+Before, such a record was served (a 200 whose body was the record's, a status line 999) or
+failed the request (a 500, a 502 "internal error").
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from typing import Any
 import orjson
 
 from ..answer import Answer
+from ..apis import APIS
 from ..errors import (
     CarpoolError,
     GatewayOverloaded,
@@ -82,12 +92,15 @@ __all__ = [
     "FRAMES",
     "RENEW",
     "TAKE",
+    "Unreadable",
     "answer_from",
     "answer_record",
     "entry_key",
     "error_from",
     "error_record",
+    "final_from",
     "flight_keys",
+    "frame_from",
     "followed_keys",
     "lingers",
     "lock_names",
@@ -129,36 +142,53 @@ def lock_names(prefix: str) -> tuple[str, re.Pattern[bytes]]:
 # the window, AGE ms after its end, Redis time) | {'stale', TOKEN} (a call begun
 # before an invalidation runs: ``TAKE`` sets it aside, in the key of its token) | {'stored'}
 # (no call runs, its answer is stored: a call that ended, without a window, since this request
-# missed the cache).
+# missed the cache); 'lead' and 'stored' with 'dropped' after them when the lock's name held
+# what carpool does not write there (something else wrote it: a key of another type, a value
+# of another form, one without an expiry, which every lock has): no lock held, it is dropped.
+# (Before, the script failed on it, ``=abc`` having no ``:``, and the claimer took that for
+# Redis failing; a word where a token belongs was followed, a leader nobody was, on each
+# request until the join timeout, for as long as the value stayed: for ever without expiry.)
 CLAIM = (
     ALWAYS
     + """
-local holder = redis.call('GET', KEYS[1])
-if holder then
-  local mark = string.sub(holder, 1, 1)
-  if mark == '~' then return {'stale', string.sub(holder, 2)} end
-  if mark ~= '=' then return {'follow', holder} end
-  local sep = string.find(holder, ':', 2, true)
-  local leader, max_age = string.sub(holder, 2, sep - 1), tonumber(ARGV[3])
-  local now = redis.call('TIME')
-  local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-    - tonumber(string.sub(holder, sep + 1))
-  if max_age < 0 or age < max_age then return {'replay', leader, age} end
+local holder = redis.pcall('GET', KEYS[1])  -- (WRONGTYPE: a table, the error)
+local unreadable = type(holder) == 'table'
+if type(holder) == 'string' then
+  local mark, leader, rest = string.match(holder, '^([~=]?)(%x+)(.*)$')
+  if leader == nil or #leader ~= 16 or redis.call('PTTL', KEYS[1]) < 0 then
+    unreadable = true
+  elseif mark == '~' and rest == '' then
+    return {'stale', leader}
+  elseif mark == '' and rest == '' then
+    return {'follow', leader}
+  elseif mark == '=' and string.match(rest, '^:%d+$') then
+    local max_age, now = tonumber(ARGV[3]), redis.call('TIME')
+    local age = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+      - tonumber(string.sub(rest, 2))
+    if max_age < 0 or age < max_age then return {'replay', leader, age} end
+  else
+    unreadable = true
+  end
 end
-if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored'} end
+local dropped = nil
+if unreadable then
+  redis.call('DEL', KEYS[1])
+  dropped = 'dropped'
+end
+if ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 1 then return {'stored', dropped} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {'lead'}
+return {'lead', dropped}
 """
 )
 
 # KEYS: lock, the stale call's key (``stale_keys`` + its token). ARGV: the stale token, the new
 # token, lease ms. If the lock is still "~STALE": the stale call is set aside in its key, for
 # what is left of its lease, and the lock is the new token's: {'lead'}. Otherwise {'again'}
-# (the lock changed meanwhile: claim again).
+# (the lock changed meanwhile, or something else wrote it: claim again).
 TAKE = (
     ALWAYS
     + """
-if redis.call('GET', KEYS[1]) ~= '~' .. ARGV[1] then return {'again'} end
+if redis.pcall('GET', KEYS[1]) ~= '~' .. ARGV[1] then return {'again'} end
 local left = redis.call('PTTL', KEYS[1])
 if left > 0 then redis.call('SET', KEYS[2], '1', 'PX', left) end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -167,11 +197,12 @@ return {'lead'}
 )
 
 # KEYS: lock, stream, this call's stale key. ARGV: token, lease ms, stream PX ms. 1 if renewed
-# (the lock, or the stale key once set aside), 0 if the lock is lost.
+# (the lock, or the stale key once set aside), 0 if the lock is lost. (A key of another type
+# under the lock's name, ``pcall``: no lock of ours, as for every script that reads it.)
 RENEW = (
     ALWAYS
     + """
-local holder = redis.call('GET', KEYS[1])
+local holder = redis.pcall('GET', KEYS[1])
 if holder == ARGV[1] or holder == '~' .. ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 elseif redis.call('PEXPIRE', KEYS[3], ARGV[2]) == 0 then
@@ -196,7 +227,7 @@ if KEYS[4] and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[3])
-local holder = redis.call('GET', KEYS[1])
+local holder = redis.pcall('GET', KEYS[1])
 if holder == '~' .. ARGV[1] then
   redis.call('DEL', KEYS[1])
 elseif holder == ARGV[1] then
@@ -338,7 +369,8 @@ def error_record(error: CarpoolError) -> dict[str, Any]:
 
 
 def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
-    """The leader's error, as the same class with the same status, type, code and message."""
+    """The leader's error, as the same class with the same status, type, code and message
+    (of a record ``final_from`` read)."""
     if meta["c"] == "status":
         # (``rh``, when to retry, is absent from an older instance's record.)
         retry = tuple((str(name), str(value)) for name, value in meta.get("rh") or ())
@@ -356,7 +388,8 @@ def error_from(meta: dict[str, Any], body: bytes) -> CarpoolError:
 
 
 def answer_from(meta: dict[str, Any], body: bytes, frames: list[bytes] | None) -> Answer:
-    """The leader's answer, with ``frames`` (None: served whole, without the usage frame)."""
+    """The leader's answer, with ``frames`` (None: served whole, without the usage frame), of
+    a record ``final_from`` read."""
     answer = Answer(
         meta["k"],
         body,
@@ -369,3 +402,111 @@ def answer_from(meta: dict[str, Any], body: bytes, frames: list[bytes] | None) -
     # (Absent from an older instance's record: not known, told to every client as to others.)
     answer.requester = meta.get("r")
     return answer
+
+
+class Unreadable(ValueError):
+    """An entry of a flight's stream that is none carpool writes (``frame_from``,
+    ``final_from``): something else wrote it."""
+
+
+def frame_from(fields: dict[bytes, bytes]) -> tuple[int, bytes, bool] | None:
+    """A frame entry's index, bytes and whether it is the usage-only chunk; None for a final
+    record (or what should be one: ``final_from`` reads it)."""
+    frame = fields.get(b"f")
+    if frame is None:
+        return None
+    index = fields.get(b"i", b"")
+    if not index.isdigit():  # (ASCII digits only: no sign, no spaces)
+        raise Unreadable("a frame without its index")
+    return int(index), frame, b"u" in fields
+
+
+def final_from(
+    fields: dict[bytes, bytes], kind: str | None = None
+) -> tuple[bytes, dict[str, Any], bytes]:
+    """A final record's end (``a``, ``x``, ``g``), meta and body, checked, for ``answer_from``
+    or ``error_from``: ``Unreadable`` if it is none carpool writes. ``kind``: the request's
+    API's (None: any API's)."""
+    end = fields.get(b"e")
+    if end == b"g":
+        return end, {}, b""
+    if end not in (b"a", b"x"):
+        raise Unreadable("an entry that is neither a frame nor a final record")
+    try:
+        meta = orjson.loads(fields.get(b"m", b""))
+    except orjson.JSONDecodeError:
+        raise Unreadable("a final record whose meta is no JSON") from None
+    if not isinstance(meta, dict):
+        raise Unreadable("a final record whose meta is no JSON object")
+    body = fields.get(b"b")
+    if end == b"a":
+        _check_answer(meta, body, kind)
+    else:
+        _check_error(meta)
+    return end, meta, body or b""
+
+
+def _check_answer(meta: dict[str, Any], body: bytes | None, kind: str | None) -> None:
+    if meta.get("k") not in APIS or (kind is not None and meta["k"] != kind):
+        raise Unreadable(f"an answer of another API than {kind or 'any'}")
+    count, usage, lingering = meta.get("fl"), meta.get("u"), meta.get("l")
+    if not (
+        "fl" in meta
+        and "u" in meta
+        and type(meta.get("c")) is bool
+        and type(meta.get("t")) is int
+        and type(meta.get("cr")) in (int, float)
+        and (count is None or (type(count) is int and count >= 0))
+        and (usage is None or (type(usage) is int and count is not None and 0 <= usage < count))
+        and (lingering is None or type(lingering) is bool)  # (absent: an older instance's)
+        and _text_or_none(meta.get("r"))
+    ):
+        raise Unreadable("an answer whose meta lacks a field or has one of another type")
+    try:
+        parsed = orjson.loads(body) if body is not None else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):  # (every API's answer is a JSON object)
+        raise Unreadable("an answer whose body is no JSON object")
+
+
+def _check_error(meta: dict[str, Any]) -> None:
+    status, named = meta.get("s"), meta.get("c")
+    if not (type(status) is int and 100 <= status <= 599):
+        raise Unreadable("an error whose status is none HTTP defines")
+    if named == "status":
+        retry = meta.get("rh")
+        readable = (
+            not 200 <= status < 300  # (an upstream's 2xx is an answer, never this error)
+            and "ct" in meta
+            and _text_or_none(meta["ct"])
+            and (
+                retry is None
+                or (
+                    isinstance(retry, list)
+                    and all(
+                        isinstance(pair, list)
+                        and len(pair) == 2
+                        and all(isinstance(part, str) for part in pair)
+                        for pair in retry
+                    )
+                )
+            )
+            and _text_or_none(meta.get("a"))
+            and _text_or_none(meta.get("r"))
+        )
+    else:
+        readable = (
+            isinstance(named, str)
+            and isinstance(meta.get("ty"), str)
+            and "co" in meta
+            and _text_or_none(meta["co"])
+            and isinstance(meta.get("msg"), str)
+            and _text_or_none(meta.get("r"))
+        )
+    if not readable:
+        raise Unreadable("an error whose meta lacks a field or has one of another type")
+
+
+def _text_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)

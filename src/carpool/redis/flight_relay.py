@@ -43,6 +43,15 @@ seen nothing of the call, until the join timeout): a stall shorter than the leas
 clients nothing. Past that, it gives up as the failure rules say (``DOWN``, or ``LeaderLost``
 with frames relayed). A client is never told Redis's address or error (``LOST``): the log is.
 
+An entry it cannot read (``flight_protocol.Unreadable``: something else wrote it, a record of
+another form, an answer of another API than the request's, a status no HTTP status; or a key
+of another type where the stream or the lock belongs, ``WRONGTYPE``) is taken as its leader
+gone, at once: nothing relayed, ``GONE`` (the follower claims again, and runs the call alone
+once its takeovers are spent); frames relayed, ``LeaderLost``. It is logged; Redis answered,
+so it is no Redis failure. Before, it failed the request (a 502 "internal error", a 500), or
+was served (a 200 with the record's body, a status line 999), and a key of another type was
+taken for Redis failing: the instance degraded, the follower reading it again for the lease.
+
 Entries trimmed by MAXLEN before a follower read them (it joined late, or fell that far
 behind): with nothing relayed, it skips the frames and serves the answer whole from the final
 record (streaming clients get frames synthesized from it); with frames relayed,
@@ -54,15 +63,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
-
-import orjson
+from typing import TYPE_CHECKING, Any
 
 from ..answer import Answer
 from ..broadcast import Broadcast
 from ..errors import LeaderLost
-from .connection import Backoff, StoreUnavailable, unavailable_in
-from .flight_protocol import FOLLOWED, answer_from, error_from, lingers
+from .connection import Backoff, StoreUnavailable, WrongType, unavailable_in
+from .flight_protocol import (
+    FOLLOWED,
+    Unreadable,
+    answer_from,
+    error_from,
+    final_from,
+    frame_from,
+    lingers,
+)
 from .keys import xread_entries
 
 if TYPE_CHECKING:
@@ -95,11 +110,12 @@ async def follow(
     broadcast: Broadcast,
     deadline: float,
     watch: str | None = None,
+    kind: str | None = None,
 ) -> Answer | str:
     """Relay the leader's stream into ``broadcast`` until its final record. ``aside``: the
     leader's stale key (its call set aside by an invalidation, it still runs). ``watch``: the
     key that tells the leader someone follows its call (one still running), set with every
-    read."""
+    read. ``kind``: the request's API (an answer of another is no answer to it; None: any)."""
     loop = asyncio.get_running_loop()
     ours, stale = token.encode(), b"~" + token.encode()
     ended = b"=" + ours + b":"
@@ -143,6 +159,9 @@ async def follow(
             try:
                 with _unavailable("follow a flight"):
                     replies = await pipe.execute()
+            except WrongType:
+                # (Redis answered: something else wrote the stream's or the lock's name.)
+                return _unreadable(flights, stream, "a key of another type", relayed)
             except StoreUnavailable as error:
                 flights._failed(error)
                 failing = True
@@ -169,12 +188,18 @@ async def follow(
             records = xread_entries(reply)
             for entry_id, fields in records:
                 last = entry_id
-                if b"f" not in fields:
-                    if held and fields[b"e"] != b"g":  # (the leader lived to end it)
+                try:
+                    frame = frame_from(fields)
+                    if frame is None:  # (read whole before any held frame is relayed)
+                        end, meta, body = final_from(fields, kind)
+                except Unreadable as error:
+                    return _unreadable(flights, stream, str(error), relayed)
+                if frame is None:
+                    if held and end != b"g":  # (the leader lived to end it)
                         relayed += _release(flights, broadcast, held)
-                    return _ending(flights, fields, broadcast, relayed)
+                    return _ending(flights, end, meta, body, broadcast, relayed)
                 seen += 1
-                index = int(fields[b"i"])
+                index, data, usage_only = frame
                 if skipping or index < taken:
                     continue
                 if index > taken:  # trimmed (MAXLEN) before we read it
@@ -185,15 +210,14 @@ async def follow(
                     skipping, held = True, None
                     continue
                 taken += 1
-                frame = (fields[b"f"], b"u" in fields)
                 if held is not None:
-                    held.append(frame)
+                    held.append((data, usage_only))
                     if looking:
                         continue
                     frame_held, held = held, None  # new since we looked: the leader lives
                     relayed += _release(flights, broadcast, frame_held)
                     continue
-                relayed += _release(flights, broadcast, [frame])
+                relayed += _release(flights, broadcast, [(data, usage_only)])
             if looking and len(records) < READ_COUNT:
                 looking = False  # (what comes next came after we looked)
                 if not held:
@@ -250,17 +274,20 @@ def _release(flights: SharedFlights, broadcast: Broadcast, frames: list[tuple[by
 
 
 def _ending(
-    flights: SharedFlights, fields: dict[bytes, bytes], broadcast: Broadcast, relayed: int
+    flights: SharedFlights,
+    end: bytes,
+    meta: dict[str, Any],
+    body: bytes,
+    broadcast: Broadcast,
+    relayed: int,
 ) -> Answer | str:
-    """The answer or error of a final record (or ``GONE``)."""
-    kind = fields[b"e"]
-    if kind == b"g":
+    """The answer or error of a final record (``final_from``: its ``end``, meta and body), or
+    ``GONE``."""
+    if end == b"g":
         if relayed:
             raise _broken(flights, "the instance leading this call left it")
         return GONE
-    meta = orjson.loads(fields[b"m"])
-    body = fields.get(b"b", b"")
-    if kind == b"x":
+    if end == b"x":
         broadcast.remote = True
         raise error_from(meta, body)
     count = meta["fl"]
@@ -271,6 +298,20 @@ def _ending(
     broadcast.may_linger = lingers(meta)
     frames = broadcast.frames if count is not None and relayed == count else None
     return answer_from(meta, body, frames)
+
+
+def _unreadable(flights: SharedFlights, stream: str, what: str, relayed: int) -> str:
+    """An entry of the leader's stream (or its lock) that carpool does not write: its leader
+    taken as gone (the module's contract)."""
+    log.warning(
+        "following %s: %s, which carpool does not write (something else wrote it): taken as "
+        "its leader gone",
+        stream,
+        what,
+    )
+    if relayed:
+        raise _broken(flights, "the stream of the instance leading this call could not be read")
+    return GONE
 
 
 def _broken(flights: SharedFlights, message: str) -> LeaderLost:

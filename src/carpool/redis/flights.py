@@ -125,6 +125,11 @@ of the death (:mod:`.flight_relay`).
   (``/stats``, ``/healthz``, the log, degraded mode); successes end a degraded period.
 - Entries trimmed by MAXLEN before a follower read them, or a final record whose frame count
   is not what was relayed: see :mod:`.flight_relay`.
+- A value carpool does not write (something else wrote it) is no Redis failure: Redis
+  answered. A lock of another form or type (``CLAIM``: :mod:`.flight_protocol`) is no lock
+  held: the claim drops it (logged) and leads; a record of a leader's stream carpool cannot
+  read is its leader gone (:mod:`.flight_relay`). Any other ``WRONGTYPE`` goes to the shared
+  store's health as such (counted apart, no degraded period).
 
 The keys, the records and the scripts: :mod:`.flight_protocol`.
 
@@ -365,6 +370,7 @@ class SharedFlights:
         linger: bool = True,
         forget: Forget | None = None,
         load: Load | None = None,
+        kind: str | None = None,
     ) -> Answer:
         """The answer for ``key``: led here (``call`` runs, its output is shared, ``store``
         keeps it), followed from the instance that leads it (which stores it), or (Redis
@@ -379,7 +385,8 @@ class SharedFlights:
         ``load``: the answer stored for ``key``, asked when a claim finds no call running but
         an answer stored (``max_age`` None only: the request takes any cached answer) since
         the request missed the cache (a call ended meanwhile, without a window); the local
-        broadcast is then ``cached`` (its clients are hits).
+        broadcast is then ``cached`` (its clients are hits). ``kind``: the request's API; a
+        followed answer of another is none (None: any API's).
         """
         if self.health is not None and not self.health.usable():
             return await self._alone(call, store, broadcast)
@@ -424,6 +431,13 @@ class SharedFlights:
                 self._background.spawn(self._unclaim(lock, streams + token, stales + token, token))
                 raise
             self._answered()
+            if reply[-1] == b"dropped":
+                # (Redis answered: not a failure of Redis, nor a reason to share nothing.)
+                log.warning(
+                    "%s held what carpool does not write there (something else wrote it): "
+                    "dropped, as no lock held",
+                    lock,
+                )
             if reply[0] == b"lead":
                 self.counts["takeovers" if deaths else "led"] += 1
                 return await self._lead(
@@ -464,6 +478,7 @@ class SharedFlights:
                 deadline,
                 # (A call still running: its leader must know it is followed.)
                 followed + leader if running else None,
+                kind,
             )
             if isinstance(result, Answer):
                 if not running:
@@ -629,6 +644,8 @@ class SharedFlights:
         try:
             with _unavailable("read a flight's lock"):
                 holder = await self._client.get(lock)
+        except WrongType:
+            return True, None  # (something else wrote its name: no lock, as for ``CLAIM``)
         except StoreUnavailable as error:
             self._failed(error)
             return False, None

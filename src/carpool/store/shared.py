@@ -41,6 +41,10 @@ Contract (on top of ``store.base``):
   being migrated (``SlotMoving``: a reshard between its steps) is the same again: Redis
   answers and ran nothing; a get is a miss, a put is not kept, counted as ``slot_moving``,
   logged, no degraded period (a reshard's minutes of them made an instance flap degraded).
+  A command on a key of another type than carpool writes there (``WrongType``: something else
+  wrote it) that a layer did not handle as a value it cannot read is the same once more:
+  counted as ``wrong_type``, logged, no degraded period, nothing kept locally (before, it
+  switched sharing off for every key).
 - ``generation()`` before a call begins and ``put(..., since=...)`` with its answer: an
   invalidation by any instance in between takes the answer back from Redis
   (``RedisStore.put``).
@@ -66,7 +70,7 @@ import time
 from typing import Any
 
 from ..background import Background
-from ..redis.connection import PoolExhausted, RedisFull, SlotMoving
+from ..redis.connection import PoolExhausted, RedisFull, SlotMoving, WrongType
 from ..redis.store import RedisStore
 from .base import Entry, Selector, StoreUnavailable
 from .memory import MemoryStore
@@ -95,6 +99,12 @@ _ANSWERED: dict[type[StoreUnavailable], tuple[str, str]] = {
         "a redis cluster slot is being migrated: %d calls refused so far (TRYAGAIN), those "
         "ran without sharing",
     ),
+    # A key held another type than carpool writes there: something else wrote it.
+    WrongType: (
+        "wrong_type",
+        "a redis key of carpool's holds another type (something else wrote it): %d calls "
+        "refused so far (WRONGTYPE), those ran without sharing",
+    ),
 }
 
 
@@ -116,6 +126,7 @@ class SharedStore:
         self.pool_exhausted = 0  # calls that found no free connection in time
         self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
         self.slot_moving = 0  # calls a Redis Cluster refused as their slot was migrating
+        self.wrong_type = 0  # calls on a key of another type (something else wrote it)
         self._logged_at: dict[str, float] = {}  # (of each count in ``_ANSWERED``)
         self.down_since: float | None = None  # wall clock, for /stats
         self._next_try = 0.0  # monotonic
@@ -157,6 +168,7 @@ class SharedStore:
             "pool_exhausted": self.pool_exhausted,
             "full": self.full,
             "slot_moving": self.slot_moving,
+            "wrong_type": self.wrong_type,
             "down_since": self.down_since,
         }
 
@@ -192,7 +204,7 @@ class SharedStore:
             return self.local.get_now(key)
         try:
             entry = await self.redis.get(key, kind)
-        except (PoolExhausted, SlotMoving) as error:
+        except (PoolExhausted, SlotMoving, WrongType) as error:
             # Not an outage: the local store is not in use (nothing there is kept up to date
             # with invalidations), so this lookup is a miss.
             self._failed(error)
@@ -228,7 +240,7 @@ class SharedStore:
         if not self._skip_redis():
             try:
                 kept = await self.redis.put(key, entry, since=since)
-            except (PoolExhausted, RedisFull, SlotMoving) as error:
+            except (PoolExhausted, RedisFull, SlotMoving, WrongType) as error:
                 self._failed(error)
                 return True  # (not kept locally: see ``get``; but not outdated)
             except StoreUnavailable as error:
