@@ -379,9 +379,9 @@ async def test_without_a_window_a_claim_that_finds_the_answer_stored_takes_it(
         store = b.gateway.layers.store
         get = store.get
 
-        async def miss_then_let_a_finish(key: str) -> Any:
+        async def miss_then_let_a_finish(key: str, kind: str | None = None) -> Any:
             store.get = get  # (once)
-            entry = await get(key)
+            entry = await get(key, kind)
             assert fake.gate is not None
             fake.gate.set()
             await first  # stored, and its lock gone

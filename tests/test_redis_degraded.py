@@ -24,7 +24,7 @@ def fail_once(served: Any) -> None:
     redis_store = served.gateway.layers.shared_store.redis
     get = redis_store.get
 
-    async def failing(key: str) -> Any:
+    async def failing(key: str, kind: str | None = None) -> Any:
         redis_store.get = get
         raise StoreUnavailable("the Redis store failed to get: TimeoutError (injected)")
 
@@ -100,10 +100,11 @@ async def test_a_degraded_instance_takes_one_attempt_per_retry_interval_not_one_
     store = SharedStore(redis_store, MemoryStore(1 << 20), retry_interval=60)
     get, hung, attempts = redis_store.get, asyncio.Event(), []
 
-    async def hanging(key: str) -> Any:  # a Redis that hangs until the test lets it answer
+    # A Redis that hangs until the test lets it answer.
+    async def hanging(key: str, kind: str | None = None) -> Any:
         attempts.append(key)
         await hung.wait()
-        return await get(key)
+        return await get(key, kind)
 
     try:
         store.report(StoreUnavailable("injected"))
@@ -160,12 +161,12 @@ async def fail_answer_fail(served: Any) -> None:
     get = redis_store.get
     turns: list[asyncio.Future[bool]] = []  # one per get under way: True, it fails
 
-    async def held(key: str) -> Any:
+    async def held(key: str, kind: str | None = None) -> Any:
         turn = asyncio.get_running_loop().create_future()
         turns.append(turn)
         if await turn:
             raise StoreUnavailable("the Redis store failed to get: TimeoutError (injected)")
-        return await get(key)
+        return await get(key, kind)
 
     redis_store.get = held
     try:
