@@ -1469,3 +1469,19 @@ def test_the_stream_body_functions_are_still_importable_from_sse() -> None:
     # They moved to carpool.chunks and carpool.completeness; carpool.sse re-exports them.
     assert (sse.assemble, sse.synthesize) == (assemble, synthesize)
     assert (sse.is_complete, sse.usage_tokens) == (is_complete, usage_tokens)
+
+
+def test_a_complete_answer_with_its_own_frames_is_streamable_unread(monkeypatch):
+    # Every streaming hit of a streamed answer asks (``reply.unstreamable``): its frames, but
+    # the usage one for a client that did not ask for it, were filtered for the question, then
+    # again for the reply. Nothing in them can fail: they are not looked at.
+    from carpool.answer import Answer
+    from carpool.reply import unstreamable
+
+    def unread(self: Answer, include_usage: bool) -> list[bytes]:
+        raise AssertionError("the frames were made for the question")
+
+    monkeypatch.setattr(Answer, "sse", unread)
+    streamed = Answer("chat", b"{}", True, frames=[b"data: {}\n\n", b"data: {}\n\n"], usage_frame=1)
+    assert unstreamable(streamed, include_usage=False) is None
+    assert unstreamable(streamed, include_usage=True) is None

@@ -262,8 +262,11 @@ def whole(
 def unstreamable(answer: Answer, include_usage: bool) -> str | None:
     """Why ``whole`` cannot make the stream of ``answer`` for a streaming client (``include_usage``
     as it asked): what its body raised, which its API could not make a stream of; None: it can.
-    What is made is kept (``Answer.sse``): the reply made next makes nothing again. An answer with
-    its own frames that is complete is not parsed at all."""
+    What is synthesized is kept (``Answer.sse``): the reply made next makes it not again. An
+    answer with its own frames that is complete is not looked at (every streaming hit of a
+    streamed answer, the usual one: its frames without the usage one were filtered twice)."""
+    if answer.complete and answer.frames is not None:
+        return None  # (its frames, or them but its usage one: nothing to fail; made by ``whole``)
     try:
         if not answer.complete:
             if failure_of(api_of(answer.kind), exact_json.loads(answer.body)) is not None:
