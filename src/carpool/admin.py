@@ -27,7 +27,7 @@ Contract:
   reconnections too; without a semantic cache, its ``invalidate`` records), ``semantic``, ``idempotency``; a component without its layer is left out
   (``store`` is always there, 0 without ``redis``). ``redis_health``'s ``errors`` is every
   layer's together, as the one health they all tell counts them (which counts a full pool or a
-  full Redis apart: ``pool_exhausted``, ``full``).
+  full Redis apart: ``pool_exhausted``, ``max_clients``, ``full``).
 - ``snapshot(layers)``: the ``/stats`` document (the counters, the gauges, the replicas, the
   routing decisions, the batcher's figures, Redis's health; with ``--workers N`` and no
   ``redis``, ``peer_calls`` and this worker's ``peers`` figures). Its ``semantic_audit`` lists
@@ -115,6 +115,7 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "replicas": {name: r["in_flight"] for name, r in layers.replicas.snapshot().items()},
         "redis_errors": redis_errors(layers),
         "redis_pool_exhausted": shared_store.pool_exhausted if shared_store is not None else 0,
+        "redis_max_clients": shared_store.max_clients if shared_store is not None else 0,
         "redis_full": shared_store.full if shared_store is not None else 0,
         "redis_slot_moving": shared_store.slot_moving if shared_store is not None else 0,
         "redis_wrong_type": shared_store.wrong_type if shared_store is not None else 0,

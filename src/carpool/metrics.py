@@ -304,6 +304,12 @@ class _StatsCollector(Collector):
             value=g["redis_pool_exhausted"],
         )
         yield CounterMetricFamily(
+            "carpool_redis_max_clients",
+            "Redis calls whose connection Redis refused because it served its maxclients "
+            "already (a miss, nothing kept locally; Redis not marked down).",
+            value=g["redis_max_clients"],
+        )
+        yield CounterMetricFamily(
             "carpool_redis_full",
             "Writes Redis refused because it was full (maxmemory under noeviction): answers "
             "served, not shared; Redis not marked down.",

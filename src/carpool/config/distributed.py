@@ -50,7 +50,9 @@ class DistributedConfig(Section):
         description="Connections to Redis this instance may "
         "open (per node on a cluster; Valkey's default maxclients is "
         "10,000: size it for all instances). A call that finds them "
-        "all busy waits for one (on a cluster only idempotency records wait).",
+        "all busy waits for one (on a cluster only idempotency records wait). "
+        "A connection Redis refuses past its maxclients is counted as "
+        "`max_clients` and handled as a busy pool: Redis is not marked down.",
     )
     pool_timeout: float = Field(
         5.0,

@@ -9,8 +9,8 @@ OpenAI's ``error`` member beside them (message, type, param, code) for the SDKs 
 - ``IdempotencyFormatMismatch`` (422): the stored response has no faithful form in the format
   (stream or not) the retry asks for (``replay_as``).
 - ``IdempotencyUnavailable`` (503, ``Retry-After``): the shared records answer, but every
-  connection to them stayed busy (``PoolExhausted``): the request was not run, so a retry with
-  the same key is safe. (Running it on this instance's records instead could run the key twice.)
+  connection to them stayed busy, or Redis refused another (its ``maxclients``: ``PoolExhausted``
+  either way): the request was not run, so a retry with the same key is safe. (Running it on this instance's records instead could run the key twice.)
 - ``IdempotencyResponseNotKept`` (507): the request ran, but the shared records were full
   (Redis at ``maxmemory``) when its response was to be kept: what its retries are answered
   (the record says it ran, without the response), never a second run. A record in Redis that
@@ -116,7 +116,8 @@ class IdempotencyFormatMismatch(IdempotencyMismatch):
 
 class IdempotencyUnavailable(IdempotencyError):
     """503: the shared records could not be read in time although Redis answers (every pooled
-    connection stayed busy); nothing was run, and a retry with the same key is safe."""
+    connection stayed busy, or Redis refused another past its ``maxclients``); nothing was
+    run, and a retry with the same key is safe."""
 
     status = 503
     type = "server_error"

@@ -10,7 +10,8 @@ another layer's call failed; a hung Redis then costs each keyed request one time
   instead, so that no request fails because Redis did (but see ``FallbackRecords``: a key this
   instance began or finished in Redis is not run again here).
 - ``PoolExhausted`` (a subclass: Redis answers, every pooled connection stayed busy for
-  ``pool_timeout``; counted as ``pool_exhausted`` and logged by the health, never a degraded
+  ``pool_timeout``, or Redis refused a new one past its ``maxclients``, ``MaxClients``; counted
+  as ``pool_exhausted`` or ``max_clients`` and logged by the health, never a degraded
   period): never this process's records, which would let the key run here while it runs, or
   has run, on another instance. ``begin``/``wait`` raise ``IdempotencyUnavailable`` (503 with
   ``Retry-After``: the request is not run; its retry with the same key is safe); a ``finish``

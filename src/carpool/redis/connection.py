@@ -10,7 +10,8 @@ Contract
   running every call alone. (A cluster client's pools, one per node of ``max_connections``, do
   not wait: past them a call is ``PoolExhausted`` at once.) The blocking pool opens at most
   ``CONNECTS_AT_ONCE`` connections at a time (a burst on a cold instance opened one per
-  request, and on loaded cores some outlasted the connect timeout: a degraded moment). Each
+  request, and on loaded cores some outlasted the connect timeout: a degraded moment), and
+  hands out a connected connection before one it must (re)open (``_pool_class``). Each
   command may take ``socket_timeout`` (a hung Redis fails a call in that long, never hangs
   it), a connection ``connect_timeout``; a refused or reset connection is retried ``retries``
   times at once (a pooled connection may be stale after a restart; on uvloop a write on one a
@@ -19,9 +20,16 @@ Contract
   :class:`StoreUnavailable`, the one error every Redis-backed layer raises; a wait for a pooled
   connection that ran out is :class:`PoolExhausted`, a subclass: Redis answered, this instance
   had more callers than connections. The health (``store.shared.SharedStore``, which every layer
-  reports to) counts and logs it and does **not** start a degraded period. A write Redis
-  refused because it is full (``maxmemory`` reached under ``noeviction``: ``OOM``) is
-  :class:`RedisFull`, another: Redis answered; the health counts it (``full``), logs it, and
+  reports to) counts and logs it and does **not** start a degraded period. A connection Redis
+  refused because it serves as many clients as it may (``maxclients``: "max number of clients
+  reached", its reply to the handshake) is :class:`MaxClients`, a subclass of that one: Redis
+  answered and ran nothing, every layer takes it as a busy pool (a keyed request is refused,
+  never run from this process's records), and the health counts it apart (``max_clients``: the
+  remedy is Redis's ``maxclients``, or fewer connections per instance, not more). Before, it
+  was Redis down: a burst that met it made an instance degraded, its keyed requests run from
+  its own records (twice across instances). A write Redis refused because it is full
+  (``maxmemory`` reached under ``noeviction``: ``OOM``) is :class:`RedisFull`, another:
+  Redis answered; the health counts it (``full``), logs it, and
   does not start a degraded period either. A command on a key that holds another type than
   carpool writes there (``WRONGTYPE``: something else wrote it) is :class:`WrongType`, a
   third: Redis answered; the layer that reads the key treats it as a value it cannot read
@@ -99,6 +107,7 @@ __all__ = [
     "ALWAYS",
     "GROWS",
     "Health",
+    "MaxClients",
     "PoolExhausted",
     "RedisFull",
     "SlotMoving",
@@ -166,6 +175,17 @@ async def close_client(client: Any) -> None:
 class PoolExhausted(StoreUnavailable):
     """Every pooled connection stayed busy for ``pool_timeout``: this instance is overloaded,
     Redis is not down (never a reason for a degraded period)."""
+
+
+class MaxClients(PoolExhausted):
+    """Redis refused a new connection: it serves ``maxclients`` clients already (every
+    instance's connections, and anyone else's). Redis answers and ran nothing (never a reason
+    for a degraded period); handled as a busy pool, counted apart (the module's contract)."""
+
+
+# Redis's (and Valkey's) reply to a connection past ``maxclients``, which redis-py raises as a
+# ConnectionError of those words, as for a socket that failed (``_translated``).
+_MAX_CLIENTS = "max number of clients reached"
 
 
 class WrongType(StoreUnavailable):
@@ -303,10 +323,30 @@ def _pool_class() -> Any:
     takes well under a ms), within the same ``pool_timeout``. Not for two attempts' time
     (connect and socket timeouts) after a connection failed to open (Redis down or hung):
     each caller then fails in its own attempt, not in turn after those before it (a wait that
-    outlasted ``pool_timeout`` would be taken for a busy pool, Redis up)."""
+    outlasted ``pool_timeout`` would be taken for a busy pool, Redis up).
+
+    It hands out a connected connection first, one it must open again only when none is free
+    (``LiveFirst``). redis-py's pool hands out the connection given back last, and gives back
+    one that failed to open as well: after a burst that met Redis's ``maxclients``, the refused
+    ones lay on top of the pool's live connections, so that each later call opened one again,
+    refused again, the live ones below never used (two instances whose idle connections held
+    every slot between them stayed degraded for as long as Redis ran)."""
     import redis.asyncio as aredis
 
-    class Pool(aredis.BlockingConnectionPool):
+    class LiveFirst(aredis.ConnectionPool):
+        # (A base of ``Pool`` after the blocking pool, whose ``get_connection`` takes its
+        # connection from ``super().get_available_connection()``: this one.)
+        def get_available_connection(self) -> Any:
+            available = self._available_connections
+            if available and not available[-1].is_connected:
+                # (Those not connected hold no socket: below the live ones, in one pass, so
+                # that the calls after this one find a live one on top at once again.)
+                live = [c for c in available if c.is_connected]
+                if live:
+                    available[:] = [c for c in available if not c.is_connected] + live
+            return super().get_available_connection()  # type: ignore[no-untyped-call]  # (redis-py's, unannotated)
+
+    class Pool(aredis.BlockingConnectionPool, LiveFirst):
         connecting = 0  # connections being opened now
         failed_at = -math.inf  # (loop time) when the last one that failed to open failed
 
@@ -515,9 +555,12 @@ def _translated(what: str) -> Iterator[None]:
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
-        # cluster node's pool does not wait: it raises MaxConnectionsError at once.
+        # cluster node's pool does not wait: it raises MaxConnectionsError at once. Redis
+        # refusing a connection past its maxclients answered: no outage either.
         kind = (
-            PoolExhausted
+            MaxClients
+            if _MAX_CLIENTS in str(exc)
+            else PoolExhausted
             if isinstance(exc, MaxConnectionsError) or "No connection available" in str(exc)
             else StoreUnavailable
         )

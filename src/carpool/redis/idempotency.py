@@ -31,7 +31,9 @@ only this call's own failure sends a request to this process's records (``Fallba
 connection busy (``PoolExhausted``) is reported once (counted and logged there, never a
 degraded period) and tried again, pausing ``BACKOFF_MIN`` doubling, until ``pool_timeout``
 has passed since it began: a cluster node's pool does not wait by itself, a single server's
-already waited that long (then it is not tried again).
+already waited that long (then it is not tried again). A connection Redis refused past its
+``maxclients`` (``MaxClients``, a ``PoolExhausted``) is tried again so too: a connection of
+this instance's, or a slot, may be free in a moment.
 
 Clocks: the instances' wall clocks may be minutes apart (separate machines), so when a record's
 answer was made is kept on Redis's clock (``TIME``, read by the scripts), as the shared exact

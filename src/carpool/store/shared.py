@@ -35,7 +35,10 @@ Contract (on top of ``store.base``):
   waited ``pool_timeout`` for a free connection (``PoolExhausted``: Redis answers, this
   instance is overloaded) is counted apart (``pool_exhausted``), starts no degraded period and
   does not use the local store (a get is a miss, a put is not kept: nothing would ever clear it
-  of later invalidations). A write a full Redis refused (``RedisFull``: ``maxmemory`` reached
+  of later invalidations). A connection Redis refused past its ``maxclients`` (``MaxClients``,
+  a ``PoolExhausted``: Redis answers, it serves as many clients as it may) is the same, counted
+  as ``max_clients`` (before, it began a degraded period: a burst that met it switched sharing
+  off, and a keyed request ran from this process's records). A write a full Redis refused (``RedisFull``: ``maxmemory`` reached
   under ``noeviction``) is the same: Redis answers, the answer is not kept anywhere (counted as
   ``full``, logged), no degraded period. A command a Redis Cluster refused while its slot was
   being migrated (``SlotMoving``: a reshard between its steps) is the same again: Redis
@@ -70,7 +73,7 @@ import time
 from typing import Any
 
 from ..background import Background
-from ..redis.connection import PoolExhausted, RedisFull, SlotMoving, WrongType
+from ..redis.connection import MaxClients, PoolExhausted, RedisFull, SlotMoving, WrongType
 from ..redis.store import RedisStore
 from .base import Entry, Selector, StoreUnavailable
 from .memory import MemoryStore
@@ -81,6 +84,14 @@ log = logging.getLogger("carpool.store")
 # The failures of calls Redis answered all the same (the module's contract): the count each
 # goes to, and what the log says of it.
 _ANSWERED: dict[type[StoreUnavailable], tuple[str, str]] = {
+    # Redis refused a connection: it serves its maxclients already. (Before PoolExhausted,
+    # which it is a kind of: the first that matches counts it.)
+    MaxClients: (
+        "max_clients",
+        "redis refused a connection, it serves as many clients as it may (maxclients): %d "
+        "calls refused so far, those ran without sharing; raise its maxclients or lower "
+        "distributed.max_connections",
+    ),
     # This instance had more callers than connections for pool_timeout.
     PoolExhausted: (
         "pool_exhausted",
@@ -124,6 +135,7 @@ class SharedStore:
         self.errors = 0  # failed Redis calls, every layer's (the module's contract)
         self.store_errors = 0  # this store's own among them
         self.pool_exhausted = 0  # calls that found no free connection in time
+        self.max_clients = 0  # calls whose connection Redis refused (its maxclients reached)
         self.full = 0  # writes a full Redis refused (maxmemory reached, noeviction)
         self.slot_moving = 0  # calls a Redis Cluster refused as their slot was migrating
         self.wrong_type = 0  # calls on a key of another type (something else wrote it)
@@ -166,6 +178,7 @@ class SharedStore:
             "state": "degraded" if self.degraded else "up",
             "errors": self.errors,
             "pool_exhausted": self.pool_exhausted,
+            "max_clients": self.max_clients,
             "full": self.full,
             "slot_moving": self.slot_moving,
             "wrong_type": self.wrong_type,
