@@ -107,6 +107,43 @@ async def test_maxclients_is_an_answer_counted_apart_not_redis_down(redis_server
         await let_go(others)
 
 
+async def test_a_cluster_nodes_maxclients_is_an_answer_counted_apart_not_redis_down(
+    redis_server_factory,
+):
+    # A node with cluster mode on words its refusal "max number of clients + cluster
+    # connections reached", which redis-py raises as a ResponseError (only the standalone
+    # words are its ConnectionError): it was Redis down, a degraded period.
+    from redis.exceptions import ResponseError
+
+    from carpool.redis.store import RedisStore
+    from carpool.store.memory import MemoryStore
+    from carpool.store.shared import SharedStore
+    from fakes.redis_cluster import _free_port, _node_args
+
+    server = redis_server_factory(extra_args=[*_node_args(_free_port()), "--maxclients", "4"])
+    held: list[aredis.Redis] = []
+    while True:  # (every slot)
+        other = aredis.Redis.from_url(server.url, single_connection_client=True)
+        try:
+            await other.ping()
+        except ResponseError as refused:
+            await other.aclose()
+            assert "max number of clients + cluster connections reached" in str(refused)
+            break
+        held.append(other)
+    redis = RedisStore(server.url, connect_timeout=5, socket_timeout=5)
+    shared = SharedStore(redis, MemoryStore(1 << 20))
+    try:
+        with pytest.raises(MaxClients):
+            await redis.get("k")
+        assert await shared.get("k") is None  # a miss, not this process's memory
+        health = shared.health()
+        assert health["state"] == "up" and health["max_clients"] == 1
+    finally:
+        await shared.aclose()
+        await let_go(held)
+
+
 async def test_a_keyed_request_on_a_redis_at_maxclients_is_refused_not_run_from_local_records(
     fake, redis_server_factory, caplog
 ):

@@ -183,9 +183,13 @@ class MaxClients(PoolExhausted):
     for a degraded period); handled as a busy pool, counted apart (the module's contract)."""
 
 
-# Redis's (and Valkey's) reply to a connection past ``maxclients``, which redis-py raises as a
-# ConnectionError of those words, as for a socket that failed (``_translated``).
-_MAX_CLIENTS = "max number of clients reached"
+def _past_maxclients(error: BaseException) -> bool:
+    """Whether ``error`` is Redis's (and Valkey's) reply to a connection past ``maxclients``:
+    "max number of clients reached", which redis-py raises as a ConnectionError, as for a
+    socket that failed; or, from a node in cluster mode, "max number of clients + cluster
+    connections reached", which it raises as a ResponseError (``_translated``)."""
+    said = str(error)
+    return said.startswith("max number of clients") and said.rstrip().endswith("reached")
 
 
 class WrongType(StoreUnavailable):
@@ -551,7 +555,13 @@ def _translated(what: str) -> Iterator[None]:
         kind = SlotMoving if "TTL exhausted" in str(exc) else StoreUnavailable
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except ResponseError as exc:
-        kind = WrongType if wrong_type(exc) else StoreUnavailable
+        kind = (
+            MaxClients
+            if _past_maxclients(exc)
+            else WrongType
+            if wrong_type(exc)
+            else StoreUnavailable
+        )
         raise kind(f"{what}: {type(exc).__name__}: {exc}") from exc
     except RedisConnectionError as exc:
         # BlockingConnectionPool's own wording when its wait for a connection runs out; a
@@ -559,7 +569,7 @@ def _translated(what: str) -> Iterator[None]:
         # refusing a connection past its maxclients answered: no outage either.
         kind = (
             MaxClients
-            if _MAX_CLIENTS in str(exc)
+            if _past_maxclients(exc)
             else PoolExhausted
             if isinstance(exc, MaxConnectionsError) or "No connection available" in str(exc)
             else StoreUnavailable
