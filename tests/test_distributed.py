@@ -641,6 +641,10 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
 
 QUESTION = "What is carpool?"
 ANSWER_1 = f"answer 1 to {QUESTION}"
+# Redis timeouts for instances whose link is not under test: under load (pytest -n on two
+# cores) a claim past the 0.5 s default made an instance go alone (a second upstream call, a
+# follower never relaying). A death is still seen by the lease, not by these.
+STEADY_LINK = {"timeout": 5.0, "connect_timeout": 5.0}
 # QUESTION asked as a stream, at temperature 0 (shared).
 STREAMED = {
     "model": "m",
@@ -839,12 +843,16 @@ async def test_leader_instance_killed_mid_call_the_waiter_elsewhere_still_gets_a
             "lease_ms": lease_ms,
             "retry_interval": 0.05,
             "cluster": shared_redis.cluster,
+            **STEADY_LINK,
         },
         "coalesce": {"join_timeout_ms": join_timeout_ms},
     }
     port = free_port()
     env = serve_env(
-        {"distributed": {"lease_ms": lease_ms}, "coalesce": {"join_timeout_ms": join_timeout_ms}}
+        {
+            "distributed": {"lease_ms": lease_ms, **STEADY_LINK},
+            "coalesce": {"join_timeout_ms": join_timeout_ms},
+        }
     )
     log = tmp_path / "instance-a.log"
     fake.gate = asyncio.Event()  # call 1 (instance A's) hangs until A is gone
@@ -1234,7 +1242,12 @@ async def test_a_stream_arriving_after_its_leader_died_is_answered_whole_by_a_ta
     expired yet. A streaming request then arriving on B gets no frame of the dead call (they
     wait for a sign of life that never comes) and no error: B's takeover answers it whole."""
     lease_ms = 600
-    distributed = {"lease_ms": lease_ms, "retry_interval": 0.05, "cluster": shared_redis.cluster}
+    distributed = {
+        "lease_ms": lease_ms,
+        "retry_interval": 0.05,
+        "cluster": shared_redis.cluster,
+        **STEADY_LINK,
+    }
     fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
     async with (
         instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),
@@ -1266,7 +1279,12 @@ async def test_a_stream_joining_a_relayed_call_after_its_leader_died_is_answered
     first client, which got A's first words, gets the error event. (Before, the joiner was
     replayed those words and then the error, while the takeover's answer existed.)"""
     lease_ms = 2000  # (the joiner comes long before C can notice the death)
-    distributed = {"lease_ms": lease_ms, "retry_interval": 0.05, "cluster": shared_redis.cluster}
+    distributed = {
+        "lease_ms": lease_ms,
+        "retry_interval": 0.05,
+        "cluster": shared_redis.cluster,
+        **STEADY_LINK,
+    }
     fake.chunk_gate = asyncio.Event()  # A's stream stops after its first words
     async with (
         instances(1, fake.url, shared_redis.url, {"distributed": distributed}) as (a,),

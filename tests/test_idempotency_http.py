@@ -30,6 +30,10 @@ from fakes.sizing import deep_size
 from fakes.waiting import WAIT_S, eventually
 
 KEY = {"Idempotency-Key": '"order-42"'}
+# Redis timeouts for tests whose subject is not Redis failing: under load (pytest -n on two
+# cores) a call past the 0.5 s default made the instance keep its record in its own memory,
+# where the other instance, or the retry, did not find it.
+STEADY_LINK = {"timeout": 5.0, "connect_timeout": 5.0}
 CHAT = "/v1/chat/completions"
 
 
@@ -202,7 +206,7 @@ async def test_a_replay_is_a_hit_with_the_age_of_its_answer_whole_or_streamed(
     """Hits carry ``age``: a replay too (it says ``x-carpool: hit``), counted from when its
     answer was made: the first reply's time, less the age that reply said."""
     clock = ManualClock()
-    shared = {} if records == "memory" else redis_settings(request.getfixturevalue("redis_server"))
+    shared = {} if records == "memory" else idempotency_settings(records, request)
     async with run_gateway([fake.url], clock, **shared) as gw:
         first = await gw.chat(headers=KEY)
         assert first.headers["x-carpool"] == "miss" and "age" not in first.headers
@@ -239,7 +243,7 @@ async def test_a_request_whose_client_left_before_an_answer_can_be_retried(gw, f
 
 
 async def test_idempotency_records_are_shared_across_instances(fake, shared_redis):
-    config = redis_settings(shared_redis)
+    config = redis_settings(shared_redis, **STEADY_LINK)
     async with run_gateway([fake.url], **config) as a, run_gateway([fake.url], **config) as b:
         fake.gate = asyncio.Event()
         first = asyncio.create_task(a.chat(temperature=0.9, headers=KEY))
@@ -631,7 +635,7 @@ def idempotency_settings(records: str, request: pytest.FixtureRequest) -> dict:
     """The gateway config whose idempotency records live in memory, or in a Redis server."""
     if records == "memory":
         return {}
-    return redis_settings(request.getfixturevalue("redis_server"))
+    return redis_settings(request.getfixturevalue("redis_server"), **STEADY_LINK)
 
 
 def waiting(gw) -> int:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from fakes.instances import free_port, serve_env, start_serve
-from test_distributed import until_serving
+from test_distributed import STEADY_LINK, until_serving
 
 QUESTION = "What do the workers share?"
 
@@ -17,7 +17,7 @@ QUESTION = "What do the workers share?"
 async def test_workers_on_one_port_share_the_cache_through_redis(fake, shared_redis, tmp_path):
     """On a cluster too: `carpool serve` sees a cluster node and takes a cluster client."""
     port = free_port()
-    env = serve_env()
+    env = serve_env({"distributed": STEADY_LINK})  # (a store past 0.5 s: the other missed)
     log = tmp_path / "workers.log"
     proc = start_serve(
         [
