@@ -1553,13 +1553,17 @@ async def test_a_replay_lingers_on_another_instance_no_longer_than_its_window_fr
     ],
     ids=["none", "300ms", "adaptive-none", "adaptive-300ms"],
 )
+@pytest.mark.parametrize("asked", [{}, {"Cache-Control": "max-age=600"}], ids=["", "max-age"])
 async def test_an_instance_replays_no_call_that_ended_longer_ago_than_its_own_window(
-    fake, redis_server, own
+    fake, redis_server, own, asked
 ):
     """A fleet mid-change: A's window 3 s, B's shorter (0: no finished answer lingers). A call
     A finished 1 s ago (as its lock in Redis says) lingers for A, but B does not replay it, as
     it would not join a call of its own that ended as long ago: a miss, a fresh call. (Before,
-    B replayed it as ``coalesced`` for the whole of A's window, its own window 0 or not.)"""
+    B replayed it as ``coalesced`` for the whole of A's window, its own window 0 or not.) Nor
+    to a request that accepts answers ten minutes old: ``max_age`` bounds a replay as the
+    window does, never lengthens it. (The request's type has TTL 0: no stored answer, only the
+    lingering flight, could serve it.)"""
     factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
     settings = redis_settings(redis_server, retry_interval=0.05, timeout=2.0)
     long = {"window_ms": 3000, "max_window_ms": 3000, "adaptive": False}
@@ -1569,35 +1573,7 @@ async def test_an_instance_replays_no_call_that_ended_longer_ago_than_its_own_wi
     ):
         assert (await a.chat(QUESTION, headers=factual)).headers["x-carpool"] == "miss"
         await backdate_lingering_lock(redis_server, 1)
-        again = await b.chat(QUESTION, headers=factual)
-        assert again.headers["x-carpool"] == "miss"
-        assert content(again) == f"answer 2 to {QUESTION}" and fake.count() == 2
-        assert b.gateway.shared_flights.counts["replayed"] == 0
-
-
-@pytest.mark.parametrize(
-    "own",
-    [{"window_ms": 0, "adaptive": False}, {"window_ms": 300, "adaptive": False}],
-    ids=["none", "300ms"],
-)
-async def test_a_max_age_longer_than_an_instances_window_replays_no_call_that_ended_before_it(
-    fake, redis_server, own
-):
-    """``max_age`` bounds a replay as the window does, never lengthens it: A's window 3 s, B's
-    shorter; a call A finished 1 s ago (as its lock in Redis says) is not replayed to a request
-    on B that accepts answers ten minutes old, as B would not join a call of its own that ended
-    as long ago: a miss, a fresh call. (The request's type has TTL 0: no stored answer, only
-    the lingering flight, could serve it.)"""
-    factual = {"x-carpool-type": "factual"}  # (ttl 0: never stored, shared only by the window)
-    settings = redis_settings(redis_server, retry_interval=0.05, timeout=2.0)
-    long = {"window_ms": 3000, "max_window_ms": 3000, "adaptive": False}
-    async with (
-        run_gateway([fake.url], coalesce=long, **settings) as a,
-        run_gateway([fake.url], coalesce=own, **settings) as b,
-    ):
-        assert (await a.chat(QUESTION, headers=factual)).headers["x-carpool"] == "miss"
-        await backdate_lingering_lock(redis_server, 1)
-        again = await b.chat(QUESTION, headers={**factual, "Cache-Control": "max-age=600"})
+        again = await b.chat(QUESTION, headers={**factual, **asked})
         assert again.headers["x-carpool"] == "miss"
         assert content(again) == f"answer 2 to {QUESTION}" and fake.count() == 2
         assert b.gateway.shared_flights.counts["replayed"] == 0

@@ -881,11 +881,22 @@ async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_a
         "idempotency": {"on_conflict": "wait"},
         **idempotency_settings(records, request),
     }
-    streamed = asked.get("stream", False)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **asked}
+    retry = await _retried_once_its_client_left(fake, config, body, CHAT)
+    assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
+    assert (fake.count(), fake.cancelled) == (1, 0)
+
+
+async def _retried_once_its_client_left(
+    fake, config: dict[str, Any], body: dict[str, Any], path: str
+) -> httpx.Response:
+    """A keyed request whose client leaves once its answer is under way (and, when no retry
+    waits, whose run then ends one way or another), retried with its key once its record
+    settled: the retry's response."""
+    streamed = body.get("stream", False)
     async with _served(fake, **config) as (served, gateway, client):
         gate = _answer_held(fake, streamed)
-        writer, first = await _first_then_gone(served, body, fake, streamed=streamed)
+        writer, first = await _first_then_gone(served, body, fake, streamed=streamed, path=path)
         writer.transport.abort()  # (the first client's connection drops; no retry waits)
         await eventually(
             lambda: first not in served.server.server_state.connections, what="the first gone"
@@ -893,9 +904,7 @@ async def test_with_finish_abandoned_a_keyed_run_whose_client_left_is_finished_a
         gate.set()
         await eventually(lambda: fake.completed + fake.cancelled == 1, what="the first run's end")
         await eventually(lambda: _runs(gateway) == 0, what="its record settled")
-        retry = await client.post(CHAT, json=body, headers=KEY)
-    assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
-    assert (fake.count(), fake.cancelled) == (1, 0)
+        return await client.post(path, json=body, headers=KEY)
 
 
 @pytest.mark.parametrize("records", ["memory", "redis"])
@@ -908,19 +917,7 @@ async def test_a_keyed_background_response_whose_client_left_is_finished_and_rep
     record was dropped with its client, and the retry started a second background job.)"""
     config = {"idempotency": {"on_conflict": "wait"}, **idempotency_settings(records, request)}
     body = {"model": "m", "input": "hi", "background": True, "stream": True}
-    async with _served(fake, **config) as (served, gateway, client):
-        gate = _answer_held(fake, streamed=True)
-        writer, first = await _first_then_gone(
-            served, body, fake, streamed=True, path="/v1/responses"
-        )
-        writer.transport.abort()  # (the first client's connection drops; no retry waits)
-        await eventually(
-            lambda: first not in served.server.server_state.connections, what="the first gone"
-        )
-        gate.set()
-        await eventually(lambda: fake.completed + fake.cancelled == 1, what="the first run's end")
-        await eventually(lambda: _runs(gateway) == 0, what="its record settled")
-        retry = await client.post("/v1/responses", json=body, headers=KEY)
+    retry = await _retried_once_its_client_left(fake, config, body, "/v1/responses")
     assert retry.status_code == 200 and retry.headers["idempotent-replayed"] == "true"
     assert "response.completed" in retry.text
     assert (fake.count(), fake.cancelled) == (1, 0)
