@@ -115,3 +115,12 @@ def test_with_log_format_json_every_line_of_serve_is_json(monkeypatch):
     assert any("Uvicorn running on" in line for line in lines)
     for line in lines:
         assert isinstance(json.loads(line), dict), line
+
+
+def test_a_throttled_line_is_written_at_once_then_once_per_interval_saying_how_many_it_held():
+    throttle = logs.Throttle(30.0)
+    assert throttle.due(100.0) == 0  # (the first: at once)
+    assert [throttle.due(now) for now in (101.0, 110.0, 129.9)] == [None, None, None]
+    assert throttle.due(130.0) == 3  # (three held back since the line before)
+    assert throttle.due(131.0) is None
+    assert throttle.due(200.0) == 1

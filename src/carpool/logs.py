@@ -15,6 +15,9 @@ Contract:
   exception kept on purpose (docs/security.md): with ``semantic.mode: mark``, the debug line of
   a near miss (``reply.nearest``) quotes the nearest stored entry's first 200 characters, for
   tuning the threshold.
+- ``Throttle(interval)``: when a line about one recurring thing is written: the first at once,
+  then at most one per ``interval`` seconds, each saying how many were held back since the
+  line before (a burst that fails every request is one line, not thousands).
 """
 
 from __future__ import annotations
@@ -29,6 +32,26 @@ import orjson
 from .request_id import RequestIdFilter
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+class Throttle:
+    """The module's contract: ``due(now)`` for each occurrence, on the caller's clock."""
+
+    __slots__ = ("interval", "_logged_at", "_held")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._logged_at: float | None = None
+        self._held = 0
+
+    def due(self, now: float) -> int | None:
+        """Whether this occurrence is logged: how many were held back since the last line
+        (0: none), or None, when it is held back itself."""
+        if self._logged_at is not None and now - self._logged_at < self.interval:
+            self._held += 1
+            return None
+        held, self._held, self._logged_at = self._held, 0, now
+        return held
 
 
 class JsonFormatter(logging.Formatter):

@@ -102,6 +102,7 @@ from ..errors import (
     UpstreamStreamBroken,
 )
 from ..idempotency.errors import IdempotencyUnavailable
+from ..logs import Throttle
 from ..outcome import Outcome
 from ..reply import Reply, refusal
 from ..request import header_bytes
@@ -208,9 +209,7 @@ class Peers:
         # Owners this worker could not open a connection to for want of its own resources
         # (``_short``), and when that was last logged (once per ``log_interval`` at most).
         self.overloaded = 0
-        self._log_interval = config.routing.log_interval
-        self._overload_logged_at: float | None = None
-        self._overload_unlogged = 0
+        self._overload_log = Throttle(config.routing.log_interval)
         # Owners a keyed request waited for in vain (``_owner_back``), until one answers.
         self._gone: set[int] = set()
         # This worker is stopping (``Gateway.begin_draining``): an owner is waited for no more.
@@ -512,13 +511,8 @@ class Peers:
         if reason is None:
             return None
         self.overloaded += 1
-        now = time.monotonic()
-        logged = self._overload_logged_at
-        if logged is not None and now - logged < self._log_interval:
-            self._overload_unlogged += 1
-        else:
-            more, self._overload_unlogged = self._overload_unlogged, 0
-            self._overload_logged_at = now
+        more = self._overload_log.due(time.monotonic())
+        if more is not None:
             log.warning(
                 "could not open a connection to worker %d: %s on this machine (its clients get "
                 "503%s; %s)",

@@ -157,6 +157,7 @@ from carpool.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from carpool.logs import Throttle
 from carpool.routing import Decision, RoutingPolicy
 from carpool.upstream.base import (
     PassthroughResponse,
@@ -288,8 +289,7 @@ class ReplicaSet:
         # Calls this machine could not open a connection for (``GatewayOverloaded``): /stats'
         # ``overloaded``, never a verdict on a replica (``_overloaded``).
         self.overloaded = 0
-        self._overload_logged_at: float | None = None
-        self._overload_unlogged = 0
+        self._overload_log = Throttle(log_interval)
         self.own_keys = own_keys
         # The readiness probe under way, which concurrent ``ready`` calls share (module doc).
         self._readiness: asyncio.Task[bool] | None = None
@@ -698,13 +698,9 @@ class ReplicaSet:
         counted, no verdict on its replica; logged once per ``log_interval`` at most, with how
         many came since the last line (a burst that took every descriptor fails them all)."""
         self.overloaded += 1
-        now = self.clock()
-        logged = self._overload_logged_at
-        if logged is not None and now - logged < self.log_interval:
-            self._overload_unlogged += 1
+        more = self._overload_log.due(self.clock())
+        if more is None:
             return
-        more, self._overload_unlogged = self._overload_unlogged, 0
-        self._overload_logged_at = now
         log.warning(
             "could not open a connection to upstream %s: %s (its clients get 503%s; %s)",
             self._called(replica),
