@@ -16,6 +16,7 @@ import pytest
 from carpool import errors
 from conftest import redis_keys, redis_settings, run_gateway
 from fakes.instances import free_port, instances, serve_env, start_serve
+from fakes.latency_proxy import LinkProxy
 from fakes.waiting import WAIT_S, eventually
 
 pytest.importorskip("redis")
@@ -601,8 +602,6 @@ async def test_the_invalidation_subscriber_notices_a_hung_redis_by_its_keepalive
 ):
     """A Redis that stops answering (SIGSTOP) closes no connection: the subscriber's PING goes
     unanswered, it subscribes again once Redis answers, and forgets what lingered meanwhile."""
-    import signal
-
     from carpool.redis import invalidation
     from carpool.redis.connection import connect
 
@@ -1028,25 +1027,67 @@ async def test_a_stream_relayed_in_part_ends_with_an_error_event_when_its_leader
         await asyncio.wait_for(leader, 5)
 
 
+# A stall of one instance's link to Redis shorter than the lease (Redis and the other link
+# fine): the stalled link's timeout is the subject, so it is short next to the lease, not so
+# short that a claim on two loaded cores fails during the set-up (the instance would go alone,
+# the other never follow); the other link's is as long as the test's waits. (Before, the whole
+# Redis was stopped and both links had 0.3-0.5 s timeouts throughout: a 0.4 s stall in the
+# set-up failed a test.)
+STALLING_LINK = {"timeout": 2.0, "connect_timeout": 2.0, "retry_interval": 0.05}
+# A keyed request's record outlives a stall of several 2 s timeouts (the answer's store, the
+# record's finish, the renewals between) by far: a retry must find it finished, not lost.
+LONG_RECORD_LEASE = {"idempotency": {"lease": 30.0}}
+
+
+@contextlib.asynccontextmanager
+async def a_link_that_stalls(redis_server, lease_ms=8000, **config):
+    """A ``LinkProxy`` before ``redis_server``, with the settings of the instance whose link
+    runs through it and of one whose link is steady (``config`` for both)."""
+    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
+    stalling = {**STALLING_LINK, "lease_ms": lease_ms}
+    steady = {**stalling, "timeout": WAIT_S, "connect_timeout": WAIT_S}
+    try:
+        yield (
+            proxy,
+            {"redis": proxy.url, "distributed": stalling, "admin_token": "t", **config},
+            {"redis": redis_server.url, "distributed": steady, "admin_token": "t", **config},
+        )
+    finally:
+        proxy.release()
+        await proxy.aclose()
+
+
+@contextlib.asynccontextmanager
+async def stalled_and_steady(fake, redis_server, **config):
+    """Two instances in front of ``fake``: the first's link to Redis runs through the
+    ``LinkProxy`` yielded third, the second's is steady."""
+    async with (
+        a_link_that_stalls(redis_server, **config) as (proxy, stalling, steady),
+        run_gateway([fake.url], **stalling) as first,
+        run_gateway([fake.url], **steady) as second,
+    ):
+        yield first, second, proxy
+
+
 @contextlib.contextmanager
-def paused(server):
-    """``server`` (the test's own Redis process) stopped (SIGSTOP) until the block ends."""
-    os.kill(server.pid, signal.SIGSTOP)
+def held(proxy):
+    """``proxy``'s link stalled until the block ends."""
+    proxy.hold()
     try:
         yield
     finally:
-        os.kill(server.pid, signal.SIGCONT)
+        proxy.release()
 
 
 async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_the_lease(
     fake, redis_server
 ):
-    """A leads a stream, B relays it to a streaming and a non-streaming client; Redis stalls
-    for longer than ``distributed.timeout`` (B's reads fail, twice) but less than the lease:
-    B reads on from where it was once Redis answers. Before, B's first failed read ended its
-    flight (an error event for the streaming client, a second upstream call for the other)."""
-    lease = {"timeout": 0.3, "connect_timeout": 0.3, "retry_interval": 0.05, "lease_ms": 5000}
-    async with two_gateways(fake, redis_server, distributed=lease) as (a, b):
+    """A leads a stream, B relays it to a streaming and a non-streaming client; B's link to
+    Redis stalls for longer than its ``distributed.timeout`` (B's reads fail, twice) but less
+    than the lease: B reads on from where it was once Redis answers. Before, B's first failed
+    read ended its flight (an error event for the streaming client, a second upstream call for
+    the other)."""
+    async with stalled_and_steady(fake, redis_server) as (b, a, proxy):
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
@@ -1056,7 +1097,7 @@ async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_
         await eventually(
             lambda: shared.counts["frames_relayed"] >= 3 and b.gateway.flights.waiters == 2
         )
-        with paused(redis_server):
+        with held(proxy):
             # (Or, as before, B gave up at its first failed read.)
             await eventually(
                 lambda: shared.counts["errors"] >= 2 or shared.counts["broken"],
@@ -1075,28 +1116,23 @@ async def test_a_follower_relaying_a_stream_survives_a_redis_stall_shorter_than_
     )
 
 
-# The instances' own Redis timeouts (``distributed.*`` defaults): a stalled Redis fails each
-# command within 0.5 s, far within the lease.
-SHORT_STALL = {"timeout": 0.5, "connect_timeout": 0.25, "retry_interval": 0.05, "lease_ms": 5000}
-
-
 async def test_a_call_ending_during_a_redis_stall_shorter_than_the_lease_is_not_made_again_by_its_follower(
     fake, redis_server
 ):
-    """A leads, B follows; the upstream answers while Redis is stopped, and A's client has its
-    answer before Redis is back (A's end of the flight failed). A ends the flight once Redis
-    answers, well within the lease. Before, A tried that end once: its lock stayed until the
-    lease ran out, and B then made the call a second time."""
-    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+    """A leads, B follows; the upstream answers while A's link to Redis stalls, and A's client
+    has its answer before the link is back (A's end of the flight failed). A ends the flight
+    once Redis answers, well within the lease. Before, A tried that end once: its lock stayed
+    until the lease ran out, and B then made the call a second time."""
+    async with stalled_and_steady(fake, redis_server) as (a, b, proxy):
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
         followed = asyncio.create_task(b.chat(QUESTION))
         flights = b.gateway.shared_flights
         await eventually(lambda: flights.following == 1, what="B following A's call")
-        with paused(redis_server):
+        with held(proxy):
             fake.gate.set()
-            first = await led  # the call ended while Redis was stopped
+            first = await led  # the call ended while A's link was stalled
         second = await followed
     assert second.json() == first.json()
     assert second.headers["x-carpool"] == "coalesced"
@@ -1107,9 +1143,9 @@ async def test_a_call_ending_during_a_redis_stall_shorter_than_the_lease_is_not_
 async def test_a_stream_ending_during_a_redis_stall_shorter_than_the_lease_reaches_its_follower_whole(
     fake, redis_server
 ):
-    """As above, a stream that B relays in part before Redis stops: B's client gets the rest,
-    then [DONE]. Before, B gave the relay up once the lease ran out: an error event."""
-    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+    """As above, a stream that B relays in part before A's link stalls: B's client gets the
+    rest, then [DONE]. Before, B gave the relay up once the lease ran out: an error event."""
+    async with stalled_and_steady(fake, redis_server) as (a, b, proxy):
         fake.chunk_gate = asyncio.Event()
         led = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 10)
@@ -1117,7 +1153,7 @@ async def test_a_stream_ending_during_a_redis_stall_shorter_than_the_lease_reach
         flights = b.gateway.shared_flights
         # (Relayed once A shows life since B came: its next renewal, within lease/3.)
         await eventually(lambda: flights.counts["frames_relayed"] >= 3, timeout=10)
-        with paused(redis_server):
+        with held(proxy):
             fake.chunk_gate.set()
             _, raw_a = await led
         _, raw_b = await followed
@@ -1131,16 +1167,19 @@ async def test_an_instance_closing_while_its_flights_end_waits_for_redis_leaves_
 ):
     """The end of a flight that Redis failed is tried again in the background: an instance
     that closes meanwhile ends that task too."""
-    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
-    async with run_gateway([fake.url], **settings) as b, contextlib.AsyncExitStack() as stack:
-        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+    async with (
+        a_link_that_stalls(redis_server) as (proxy, stalling, steady),
+        run_gateway([fake.url], **steady) as b,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        a = await stack.enter_async_context(run_gateway([fake.url], **stalling))
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.chat(QUESTION))
         await fake.wait_until(lambda: fake.count() == 1, what="the call A leads")
         followed = asyncio.create_task(b.chat(QUESTION))
         await eventually(lambda: b.gateway.shared_flights.following == 1)
         flights = a.gateway.shared_flights
-        with paused(redis_server):
+        with held(proxy):
             fake.gate.set()
             await led
             ending = set(flights._background)
@@ -1165,18 +1204,19 @@ def idempotency_states(redis_server) -> list[bytes | None]:
 async def test_a_keyed_request_finishing_during_a_redis_pause_shorter_than_the_lease_is_replayed_not_run_again(
     fake, redis_server
 ):
-    """A keyed request begun in Redis by A whose upstream answers while Redis is stopped: A's
-    client has its answer, and A keeps its record's lease and finishes it once Redis answers;
-    a retry on B is replayed. Before, A tried the finish once: the record stayed ``processing``
-    (a retry on B got 409) until the lease ran out, then a retry on B ran the request again."""
+    """A keyed request begun in Redis by A whose upstream answers while A's link to Redis
+    stalls: A's client has its answer, and A keeps its record's lease and finishes it once
+    Redis answers; a retry on B is replayed. Before, A tried the finish once: the record stayed
+    ``processing`` (a retry on B got 409) until the lease ran out, then a retry on B ran the
+    request again."""
     keyed = {"Idempotency-Key": "order-9"}
-    async with two_gateways(fake, redis_server, distributed=SHORT_STALL) as (a, b):
+    async with stalled_and_steady(fake, redis_server, **LONG_RECORD_LEASE) as (a, b, proxy):
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.chat(QUESTION, headers=keyed))
         await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
-        with paused(redis_server):  # (far shorter than idempotency.lease, 6 s)
+        with held(proxy):  # (far shorter than the record's lease)
             fake.gate.set()
-            first = await led  # its finish failed: Redis stopped
+            first = await led  # its finish failed: A's link stalled
         await eventually(
             lambda: idempotency_states(redis_server) == [b"s"],
             timeout=15,
@@ -1193,14 +1233,16 @@ async def test_an_instance_closing_while_a_keyed_requests_finish_waits_for_redis
 ):
     """A finish that Redis failed is tried again in the background: an instance that closes
     meanwhile ends that task too."""
-    settings = {**redis_settings(redis_server, **SHORT_STALL), "admin_token": "t"}
-    async with contextlib.AsyncExitStack() as stack:
-        a = await stack.enter_async_context(run_gateway([fake.url], **settings))
+    async with (
+        a_link_that_stalls(redis_server, **LONG_RECORD_LEASE) as (proxy, stalling, _),
+        contextlib.AsyncExitStack() as stack,
+    ):
+        a = await stack.enter_async_context(run_gateway([fake.url], **stalling))
         records = a.gateway.layers.shared_idempotency
         fake.gate = asyncio.Event()
         led = asyncio.create_task(a.chat(QUESTION, headers={"Idempotency-Key": "order-10"}))
         await fake.wait_until(lambda: fake.count() == 1, what="the keyed request on A")
-        with paused(redis_server):
+        with held(proxy):
             fake.gate.set()
             assert (await led).status_code == 200
             finishing = set(records._finishing)
@@ -1211,18 +1253,17 @@ async def test_an_instance_closing_while_a_keyed_requests_finish_waits_for_redis
 
 
 async def test_a_lost_relay_tells_the_client_no_redis_address(fake, redis_server):
-    """Redis stalls for longer than the lease while B relays A's stream: B's streaming client
-    gets the error event, which says what happened, not Redis's address or exception (those
-    are in B's log)."""
-    lease = {"timeout": 0.3, "connect_timeout": 0.3, "retry_interval": 0.05, "lease_ms": 600}
-    async with two_gateways(fake, redis_server, distributed=lease) as (a, b):
+    """B's link to Redis stalls for longer than the lease while B relays A's stream: B's
+    streaming client gets the error event, which says what happened, not Redis's address or
+    exception (those are in B's log)."""
+    async with stalled_and_steady(fake, redis_server, lease_ms=3000) as (b, a, proxy):
         fake.chunk_gate = asyncio.Event()
         leader = asyncio.create_task(a.stream_chat(QUESTION))
         await asyncio.wait_for(fake.chunk_gate_reached.wait(), 5)
         follower = asyncio.create_task(b.stream_chat(QUESTION))
         shared = b.gateway.shared_flights
         await eventually(lambda: shared.counts["frames_relayed"] >= 3)
-        with paused(redis_server):
+        with held(proxy):
             await eventually(lambda: shared.counts["broken"] == 1, what="B giving the relay up")
         fake.chunk_gate.set()
         (_, raw_a), (response, raw) = await asyncio.gather(leader, follower)
@@ -1781,8 +1822,6 @@ async def test_frames_published_while_a_flush_is_on_its_way_are_sent_before_the_
 async def test_closing_the_invalidation_channel_while_redis_hangs_does_not_hang(killable_redis):
     """The subscriber's own connection is closed within ``socket_timeout`` even when Redis
     (SIGSTOP) answers nothing: an instance shutting down is not held by a hung Redis."""
-    import signal
-
     from carpool.redis import invalidation
     from carpool.redis.connection import connect
 
