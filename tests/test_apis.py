@@ -2356,3 +2356,23 @@ def test_an_audio_chat_stream_ended_without_a_finish_reason_is_whole():
     assert body["choices"][0]["message"]["audio"]["transcript"] == "Hi"
     with pytest.raises(UpstreamStreamBroken):
         api.judge_stream([chunk({"role": "assistant", "content": "Hi"})], None)
+
+
+def test_an_audio_chat_stream_ended_before_its_audio_expires_at_delta_is_cut_short():
+    """A spoken choice is whole only once its audio's ``expires_at`` delta came, the last one
+    OpenAI sends (openai-node infers "stop" only then): a stream ended ([DONE]) after part of
+    the audio and transcript, as a proxy ends one it cut, is broken, never stored. (Before, any
+    audio at all made it "stop": the cut answer was served from the cache to every repeat.)"""
+    from carpool.errors import UpstreamStreamBroken
+
+    def chunk(delta: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+
+    cut = [
+        chunk({"role": "assistant", "content": None}),
+        chunk({"audio": {"id": "audio_1", "transcript": "Hel"}}),
+        chunk({"audio": {"data": "UklGRg=="}}),
+    ]
+    with pytest.raises(UpstreamStreamBroken):
+        api_of("chat").judge_stream(cut, None)

@@ -166,15 +166,18 @@ class _Classic(Api):
 
 def _spoken(kind: str, body: dict[str, Any]) -> bool:
     """Whether the choices of a chat stream that ended ([DONE]) without a finish reason are all
-    spoken answers, each then given "stop": OpenAI's audio models end such a stream on the
+    whole spoken answers, each then given "stop": OpenAI's audio models end such a stream on the
     audio's ``expires_at`` delta and never say one (openai-node #1206), and their whole answer
-    says "stop". The body is then complete (true), or not (false: cut short)."""
+    says "stop". A spoken choice without that delta was cut short (as openai-node infers "stop"
+    only with it). The body is then complete (true), or not (false: cut short)."""
     choices = body.get("choices")
     if kind != "chat" or not isinstance(choices, list):
         return False
     unfinished = [c for c in choices if isinstance(c, dict) and c.get("finish_reason") is None]
     if not unfinished or not all(
-        isinstance(c.get("message"), dict) and isinstance(c["message"].get("audio"), dict)
+        isinstance(c.get("message"), dict)
+        and isinstance(audio := c["message"].get("audio"), dict)
+        and audio.get("expires_at") is not None
         for c in unfinished
     ):
         return False
