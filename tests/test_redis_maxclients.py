@@ -214,3 +214,33 @@ async def test_two_instances_after_a_burst_past_maxclients_share_again_within_re
     assert first.headers["x-carpool"] == "miss" and second.headers["x-carpool"] == "hit"
     assert ran.status_code == 200 and replayed.headers["idempotent-replayed"] == "true"
     assert all(h["state"] == "up" and h["errors"] == 0 for h in health), health
+
+
+async def test_a_refused_connection_is_counted_apart_by_every_layer_never_as_a_redis_error(
+    fake, redis_server_factory
+):
+    """Redis at ``maxclients`` answers: each layer's refused call is counted in ``max_clients``
+    alone, so ``carpool_redis_errors_total`` agrees with ``/healthz``'s ``errors`` (0). (Before,
+    the flights, invalidation and semantic layers also counted it as a failed call of their
+    own: an operator alerting on Redis errors was paged for a Redis that answered.)"""
+    server = redis_server_factory(extra_args=["--maxclients", "12"])
+    config = {
+        "redis": server.url,
+        "distributed": {"pool_timeout": 0.2, "timeout": 5, "connect_timeout": 5},
+    }
+    others = await other_clients(server.url)  # (every slot, before the instance took one)
+    async with run_gateway([fake.url], **config) as gw:
+        try:
+            answers = [await gw.chat(f"question {n}") for n in range(3)]
+            metrics = (await gw.client.get("/metrics")).text
+            redis = (await gw.client.get("/stats")).json()["redis"]
+        finally:
+            await let_go(others)
+    assert [a.status_code for a in answers] == [200] * 3
+    assert redis["state"] == "up" and redis["errors"] == 0 and redis["max_clients"] >= 3
+    errors = {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("carpool_redis_errors_total{")
+    }
+    assert errors and set(errors.values()) == {0.0}, errors

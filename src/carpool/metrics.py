@@ -289,8 +289,9 @@ class _StatsCollector(Collector):
         redis = CounterMetricFamily(
             "carpool_redis_errors",
             "Redis calls that failed, by the layer that made them (store, flights, "
-            "invalidations, semantic, idempotency), each counted once; the gateway served from "
-            "its own memory meanwhile.",
+            "invalidations, semantic, idempotency), each counted once; those Redis refused "
+            "(maxclients, a busy pool, full, a slot moving, a key of another type) are "
+            "counted apart.",
             labels=["component"],
         )
         for component, n in g["redis_errors"].items():

@@ -209,6 +209,18 @@ class SlotMoving(StoreUnavailable):
     reason for a degraded period)."""
 
 
+# The failures that are Redis's answer, not its absence: the health (``SharedStore``) counts
+# each apart (``max_clients``, ``pool_exhausted``, ``full``, ``slot_moving``, ``wrong_type``),
+# none a degraded period.
+ANSWERED = (PoolExhausted, RedisFull, SlotMoving, WrongType)
+
+
+def counted_apart(error: StoreUnavailable) -> bool:
+    """Whether ``error`` is one the health counts apart (``ANSWERED``): a layer then counts it
+    in no ``errors`` of its own (``carpool_redis_errors_total``), which says Redis failed."""
+    return isinstance(error, ANSWERED)
+
+
 # The first line of every Lua script (the module's contract): refused whole by a full Redis,
 # or run even then (it frees memory, or keeps a generation from running twice).
 GROWS = "#!lua\n"

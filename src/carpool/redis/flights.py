@@ -164,6 +164,7 @@ from .connection import (
     StoreUnavailable,
     WrongType,
     close_client,
+    counted_apart,
     read_topology,
     stop_reader,
     unavailable_in,
@@ -736,7 +737,8 @@ class SharedFlights:
     # ------------------------------------------------------------------ health, tasks
 
     def _failed(self, error: StoreUnavailable) -> None:
-        self.counts["errors"] += 1
+        if not counted_apart(error):  # (Redis answered: the health counts it)
+            self.counts["errors"] += 1
         if self.health is not None:
             self.health.report(error)
         else:

@@ -93,6 +93,7 @@ from .connection import (
     byte_client,
     close_client,
     connect,
+    counted_apart,
     unavailable_in,
     wait_set,
 )
@@ -554,7 +555,7 @@ class RedisIdempotencyRecords:
                 self._report(None)  # (Redis answered: a key something else wrote)
                 raise
             except StoreUnavailable as error:
-                if not isinstance(error, RedisFull):  # (Redis answered: the health counts it)
+                if not counted_apart(error):  # (Redis answered: the health counts it)
                     self.errors += 1
                 self._report(error)
                 raise

@@ -48,7 +48,15 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .connection import Backoff, Health, StoreUnavailable, close_client, stop_reader, unavailable_in
+from .connection import (
+    Backoff,
+    Health,
+    StoreUnavailable,
+    close_client,
+    counted_apart,
+    stop_reader,
+    unavailable_in,
+)
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
@@ -223,7 +231,8 @@ class InvalidationChannel:
         self.counts["states_received"] += 1  # (once done: tests wait on it)
 
     def _failed(self, error: StoreUnavailable) -> None:
-        self.counts["errors"] += 1
+        if not counted_apart(error):  # (Redis answered: the health counts it)
+            self.counts["errors"] += 1
         if self.health is not None:
             self.health.report(error)
         else:

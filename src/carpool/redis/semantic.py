@@ -126,6 +126,7 @@ from .connection import (
     Health,
     StoreUnavailable,
     close_client,
+    counted_apart,
     stop_reader,
     unavailable_in,
 )
@@ -461,7 +462,8 @@ class SharedSemanticCache(SemanticCache):
         )
 
     def _failed(self, error: StoreUnavailable) -> None:
-        self.counts["errors"] += 1
+        if not counted_apart(error):  # (Redis answered: the health counts it)
+            self.counts["errors"] += 1
         if self.health is not None:
             self.health.report(error)
         else:
@@ -524,7 +526,8 @@ class SemanticInvalidations:
                 # (A full Redis takes it too: the others must drop their entries.)
                 await self._client.eval(ALWAYS_APPEND, 1, self.stream, self.maxlen, *pairs)
         except StoreUnavailable as error:
-            self.counts["errors"] += 1
+            if not counted_apart(error):  # (Redis answered: the health counts it)
+                self.counts["errors"] += 1
             if self.health is not None:
                 self.health.report(error)
             raise
