@@ -802,3 +802,22 @@ def test_serve_on_loopback_refuses_a_host_name_other_than_localhost(workers):
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.mark.parametrize(
+    "text, shared",
+    [
+        ("port: 8080\n", "shared through this process;"),
+        ("workers: 3\n", "shared through its 3 workers;"),  # (each key's owner: not one process)
+        (
+            "workers: 3\nredis: redis://u:secret@cache:6379/0\n",
+            "shared through Redis redis://***@cache:6379/0;",
+        ),
+    ],
+)
+def test_check_config_says_what_the_cache_is_shared_through(text, shared, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    result = _check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert shared in result.stdout and "secret" not in result.stdout, result.stdout

@@ -25,7 +25,10 @@ def check_config(file: str) -> None:
     upstreams = (
         ", ".join(without_credentials(u) for u in config.upstreams) or "the simulated engine"
     )
-    shared = f"Redis {without_credentials(config.redis)}" if config.redis else "this process"
+    if config.redis:
+        shared = f"Redis {without_credentials(config.redis)}"
+    else:  # (workers without Redis share through each other: the owner of each key)
+        shared = f"its {config.workers} workers" if config.workers > 1 else "this process"
     click.echo(f"ok: {file}")
     click.echo(
         f"upstreams: {upstreams}; shared through {shared}; "
