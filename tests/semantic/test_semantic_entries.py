@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pytest
 
 from carpool.answer import Answer
 from carpool.clock import SYSTEM_CLOCK, Clock, ManualClock
@@ -403,3 +404,46 @@ async def test_an_embedder_that_fails_makes_a_miss_never_an_error(fake, gateway_
         # failure was an ERROR with its traceback): one failure, one warning.
         assert fake.count("/v1/embeddings") == embedded + 1
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+class NotANumber(Embedder):
+    """An embedder gone wrong: every text a NaN vector."""
+
+    async def embed(self, text: str) -> np.ndarray:
+        return np.full(DIM, np.nan, dtype=np.float32)
+
+
+async def test_a_nan_similarity_is_below_every_bar_never_a_hit():
+    """A NaN compares false with the threshold: the cut ``similarity < threshold`` let it
+    through, and an entry of an embedder gone wrong was served for any text in its scope, with
+    ``x-carpool-similarity: nan``."""
+    semantic = SemanticCache(
+        SemanticConfig(max_entries=10, threshold=0.5), NotANumber(), PassEverything()
+    )
+    await insert(semantic, "How do I reset my router?")
+    probe = await semantic.probe(SemanticView("s", "Write a poem about the sea"))
+    assert probe.match is None
+
+
+async def test_the_model_giving_a_non_finite_or_zero_vector_fails_its_batch():
+    """A zero vector is as near to another zero vector as a text to itself (usearch: 1.0), a
+    NaN passes no bar but fills the index: either is the model failing, as a wrong shape is
+    (the lookup a counted miss, no entry made)."""
+    from carpool.semantic.embed.microbatch import _BatchingEmbedder
+
+    class Model(_BatchingEmbedder):
+        dim, name = DIM, "m"
+
+        def __init__(self, vector: np.ndarray) -> None:
+            self.vector = vector
+
+            async def compute(texts: list[str]) -> np.ndarray:
+                return np.stack([self.vector] * len(texts))
+
+            self._init_batching(compute, max_batch=4, max_delay_s=0.0, max_in_flight=1)
+
+    unit = np.eye(DIM, dtype=np.float32)[0]
+    assert (await Model(unit).embed("fine")).shape == (DIM,)
+    for broken in (np.zeros(DIM, np.float32), np.full(DIM, np.nan, np.float32), unit / 0):
+        with pytest.raises(ValueError, match="non-finite or zero"):
+            await Model(broken).embed("broken")

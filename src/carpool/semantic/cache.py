@@ -408,7 +408,7 @@ class SemanticCache:
             if entry.expires <= now or self._below_floor(entry):
                 self._drop(entry)  # (made before a forgotten invalidation: served to nobody)
                 continue
-            if similarity < self.threshold:
+            if not similarity >= self.threshold:  # (a NaN never passes it)
                 break
             if max_age is not None and now - entry.created >= max_age:
                 continue

@@ -20,7 +20,8 @@ scheduling is
 One embedder serves one event loop at a time.
 
 :class:`_BatchingEmbedder` is that, for an embedder that sets ``dim`` and ``name`` and gives
-``_init_batching`` its ``compute(texts) -> ndarray (len(texts), dim)``; the shape is checked here.
+``_init_batching`` its ``compute(texts) -> ndarray (len(texts), dim)``; the shape is checked
+here, and that every vector is finite and not zero (a ``ValueError`` for the batch).
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class _BatchingEmbedder:
                 f"the model returned shape {vectors.shape} for {len(texts)} "
                 f"texts, expected ({len(texts)}, {self.dim})"
             )
+        # (A NaN compares false with every bar, so its candidates passed the similarity cut; a
+        # zero vector is as near to another zero vector as a text to itself.)
+        if (
+            not (abs(vectors) < float("inf")).all()
+            or not ((vectors * vectors).sum(axis=1) > 0).all()
+        ):
+            raise ValueError("the model returned a non-finite or zero embedding")
         return vectors
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
