@@ -1150,6 +1150,7 @@ def test_every_rule_names_its_own_reason():
         Reason.SUBSTITUTION,
         Reason.RELATION,
         Reason.QUALIFIER,
+        Reason.TONE,
     ]
 
 

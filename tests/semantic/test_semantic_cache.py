@@ -327,6 +327,61 @@ async def test_a_changed_ending_of_a_long_run_on_prompt_is_never_served(sgw, fak
     assert sgw.gateway.semantic.rejections == {"length": 1}
 
 
+@pytest.mark.parametrize(
+    "first, second",
+    [("?", "!"), ("?", "???"), ("", "!"), ("...", "?!"), ("👍", "👎")],
+    ids=["question-exclamation", "one-three", "empty-mark", "ellipsis-interrobang", "emoji"],
+)
+async def test_a_prompt_without_a_word_is_matched_exactly_only(sgw, fake, first, second):
+    """Nothing of it can be compared by meaning: "!" was served the answer to "?" (0.74)."""
+    await ask(sgw, first)
+    response = await ask(sgw, second)
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert sgw.gateway.semantic.entries == 0
+
+
+#: Marks and filler the packaged verifier misread (scored 0.98-0.99 for unrelated prompts
+#: written with them, 0.10-0.37 without): it reads the texts without them, and emoticons must
+#: match (``rules.tone``).
+MISREAD_MARKS = {
+    "exclamation": ("Explain machine learning!", "Explain quantum computing!"),
+    "exclamations": ("How do I bake bread!!", "How do I bake cake!!"),
+    "interrobang": ("Explain machine learning?!", "Explain quantum computing?!"),
+    "smiley": ("Explain machine learning :)", "Explain quantum computing :)"),
+    "smiley-on-one-side": ("Explain machine learning :)", "Explain quantum computing"),
+    "wink": ("ok ;)", "no ;)"),
+    "filler": ("Explain machine learning lol", "Explain quantum computing lol"),
+    "sad-for-happy": ("I just got the job :)", "I just got the job :("),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MISREAD_MARKS))
+async def test_marks_and_filler_the_verifier_misread_never_make_unrelated_prompts_the_same(
+    sgw, fake, kind
+):
+    first, second = MISREAD_MARKS[kind]
+    await ask(sgw, first)
+    await stored(sgw)
+    response = await ask(sgw, second)
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("How do I reset my router? :)", "how can i reset my router :)"),
+        ("How do I reset my router lol", "How can I reset my router?"),
+    ],
+)
+async def test_a_paraphrase_with_the_same_emoticon_or_with_filler_is_still_served(
+    sgw, fake, first, second
+):
+    answer = await ask(sgw, first)
+    await stored(sgw)
+    again = await ask(sgw, second)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+
+
 async def test_a_negation_is_never_served(sgw, fake):
     await ask(sgw, "Is ibuprofen safe to take with alcohol?")
     await stored(sgw)
@@ -680,7 +735,7 @@ async def test_a_changed_number_is_never_served(sgw, fake):
 #: that is no letter or digit): the shortcut served them without asking the verifier.
 _CODE = "What does this Python function return for [1, 2, 3]?\n```\ndef f(xs):\n    total = 0\n"
 NOT_RETYPED = {
-    "emoji": ("👍", "👎"),
+    "emoji": ("Reply with 👍", "Reply with 👎"),
     "emoji_in_a_question": ("What does 🍎 mean?", "What does 🍌 mean?"),
     "flag_case": ("What does ls -a do?", "What does ls -A do?"),
     "math_symbol": ("Is A ⊂ B true when A is empty?", "Is A ⊄ B true when A is empty?"),

@@ -265,6 +265,7 @@ class JudgeConfig(Section):
             "substitution",
             "relation",
             "qualifier",
+            "tone",
         ]
     ] = Field(
         default_factory=list,

@@ -8,7 +8,7 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
    text and task inputs, identifiers, names, word order, the opposites, negations and exclusions
    the verifier misses, one thing named in place of another, another relative reached through a
    possessive, a small edit of a qualifier (how many, a condition, must or may, when, how much,
-   in what form). The first that fires refuses the
+   in what form), emoticons. The first that fires refuses the
    pair with its :class:`Reason`; no model is asked. A side longer than :data:`READ_CHARS` is not
    read at all (:attr:`Reason.LENGTH`: too long to check), and ``judge`` reads on a worker
    thread: a lookup never stalls the event loop, whatever a client sends.
@@ -18,7 +18,8 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
    :data:`NEAR_REPEAT_SIMILARITY`: case, punctuation, a greeting; never texts that say a negator
    a different number of times, "we approve" / "we do not approve"), at or above
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one verifier
-   call (a model run a pair: each scores what it does alone). A pair the verifier would not
+   call (a model run a pair: each scores what it does alone), as :func:`read` gives them
+   (without the marks the packaged verifier misread: :mod:`.rules.tone`). A pair the verifier would not
    read whole (``Verifier.unread``: longer than it reads) is refused with :attr:`Reason.LENGTH`
    instead: it cannot vouch for what it did not read; nor can it for a difference it cannot
    see (:func:`.retyping.unseen_difference`: case, accents, spacing, to an uncased model),
@@ -57,6 +58,7 @@ from typing import Protocol
 from .retyping import close, retyped, unseen_difference
 from .rules import RULES
 from .rules.polarity import negators
+from .rules.tone import as_read
 from .verdict import Reason, Rule, Verdict
 from .verifier import Verifier
 
@@ -87,6 +89,12 @@ def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
         if rule.differs(a, b):
             return rule.reason
     return None
+
+
+def read(a: str, b: str) -> tuple[str, str]:
+    """The pair as the verifier is given it (:func:`.rules.tone.as_read`: the texts the
+    packaged one learned from had no emoticons, no "!!", no chat filler)."""
+    return as_read(a), as_read(b)
 
 
 #: A near repeat's bar. Measured on the calibration lines (every 10th development pair, never
@@ -166,10 +174,10 @@ class RulesThenVerifier:
             if reason is not None:
                 asked.append((None, None))
                 continue
-            text = None if retyped(new.text, cached.text) else (new.text, cached.text)
+            text = None if retyped(new.text, cached.text) else read(new.text, cached.text)
             # Exact: retyping may move a turn's boundary.
             same = new.context == cached.context
-            asked.append((text, None if same else (new.context, cached.context)))
+            asked.append((text, None if same else read(new.context, cached.context)))
         cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
         pairs: list[tuple[str, str]] = []
         slots: list[tuple[int, int]] = []

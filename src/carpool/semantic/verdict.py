@@ -20,6 +20,7 @@ class Reason(StrEnum):
     SUBSTITUTION = "substitution"  # one thing named in place of another, the rest word for word
     RELATION = "relation"  # another relative reached through a possessive ("wife's brother")
     QUALIFIER = "qualifier"  # a small edit of how many, a condition, must / may, when, how much
+    TONE = "tone"  # an emoticon on one side only, or another one (":)" / ":(")
     MEANING = "meaning"  # the verifier: not the same answer
     CONTEXT = "context"  # the verifier: the earlier turns differ in meaning
     JUDGE = "judge"  # the judge (semantic.judge): not the same answer, or no verdict

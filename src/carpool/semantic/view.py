@@ -11,7 +11,9 @@ are in the scope. Embeddings requests, multimodal last turns, list prompts, requ
 repeats their prompt (``echo``, ``prompt_logprobs``) and conversations with a turn that is not
 plain (a tool call or result, a name, non-string content, a late instruction) have no semantic
 view; nor has a text (or context) longer than ``semantic.max_text_chars`` (the checks below
-read every character on the event loop), one with a letter of a script the model does not read
+read every character on the event loop), one without a letter or a digit (empty, "?", "!!!":
+nothing to compare by meaning; "?" was served the answer to "" and "!" that to "?"), one with
+a letter of a script the model does not read
 (``semantic.scripts``), one that does not read as English (:func:`.english.reads_english`,
 while ``semantic.english_only``: the rules and the packaged verifier read English only) or a
 character the models drop unread (:func:`invisible`: a format or control character): it is matched
@@ -77,6 +79,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     context, rest = earlier
     if len(context) > bound:
         return None
+    if not any(ch.isalnum() for ch in text):
+        return None  # (no word: nothing a meaning could be read from)
     if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
         return None
     # The rules' word lists and the packaged verifier are English, whatever the embedder: a

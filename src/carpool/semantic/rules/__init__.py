@@ -36,7 +36,10 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.qualifiers`: a small edit of a qualifier, how many, on what condition, must or may,
   when, how much, in what form ("all" / "some", "if" / "unless", "must" / "can", "was" / "is",
   "too hot" / "hot enough", "as a table" / "as a bulleted list"); its lists are in
-  :mod:`.qualifier_words`.
+  :mod:`.qualifier_words`;
+- :mod:`.tone`: emoticons (":)" / ":("); it also gives the text the verifier reads
+  (:func:`.tone.as_read`: without emoticons and chat filler, a run of "!" or "?" as one mark),
+  which the packaged one misread ("Explain machine learning!" / "Explain quantum computing!").
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.
 """
@@ -54,6 +57,7 @@ from . import (
     quoted,
     relations,
     substitution,
+    tone,
 )
 
 RULES = (
@@ -67,6 +71,7 @@ RULES = (
     substitution.RULE,
     relations.RULE,
     qualifiers.RULE,
+    tone.RULE,
 )
 
 __all__ = ["RULES"]

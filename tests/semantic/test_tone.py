@@ -1,0 +1,55 @@
+"""rules/tone.py: emoticons match exactly; the verifier reads the texts without marks it misread."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.semantic.rules import RULES
+from carpool.semantic.rules.tone import RULE, as_read, emoticons
+from carpool.semantic.verdict import Reason
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("Explain machine learning :)", {":)": 1}),
+        ("ok :-))) and :D", {":)": 1, ":D": 1}),
+        ("thanks:)", {":)": 1}),
+        ("xDDD so funny", {"xd": 1}),
+        ("I <333 it ^__^", {"<3": 1, "^_^": 1}),
+        # Not emoticons: a ratio, a time, a colon before a bracket, a URL, a list item.
+        ("Is 3:3) a typo? Note:(a) at 8:00 on http://x.org", {}),
+        ("Steps: 8) cool", {}),
+    ],
+)
+def test_emoticons_are_read_as_eyes_and_mouth(text, found):
+    assert dict(emoticons(text)) == found
+
+
+@pytest.mark.parametrize(
+    "text, read",
+    [
+        ("Explain machine learning!", "Explain machine learning."),
+        ("What?! No!!!", "What? No."),
+        ("Really??", "Really?"),
+        ("Is x != y?!", "Is x != y?"),  # (an operator is not a mark)
+        ('He said "wow!" then left', 'He said "wow." then left'),
+        ("Explain ML :) lol pls", "Explain ML"),
+        ("haha ok :)", "ok"),
+        ("def f():\n    return 1  # :)", "def f():\n    return 1  #"),
+        ("Why is it followed by ...?", "Why is it followed by ...?"),  # (an ellipsis stays)
+        ("( If any )", "( If any )"),  # (brackets stay)
+        ("lol", "lol"),  # (nothing would be left: as sent)
+    ],
+)
+def test_the_verifier_reads_the_text_without_marks_it_misread(text, read):
+    assert as_read(text) == read
+
+
+def test_emoticons_differ_as_a_multiset_and_the_rule_is_last():
+    assert RULE.reason is Reason.TONE and RULES[-1] is RULE
+    assert RULE.differs("I got the job :)", "I got the job :(")
+    assert RULE.differs("Explain it :)", "Explain it")
+    assert RULE.differs("Explain it :) :)", "Explain it :)")
+    assert not RULE.differs("Explain it :-)", "explain it :)")  # (a nose is no other face)
+    assert not RULE.differs("Explain it!", "Explain it lol")  # (marks and filler are not read)
