@@ -19,7 +19,9 @@ class DistributedConfig(Section):
         "carpool:",
         min_length=1,
         description="Prefix of every key carpool "
-        "writes (no `{` or `}`: they are Redis Cluster hash tags).",
+        "writes (no `{` or `}`: they are Redis Cluster hash tags). Two fleets sharing one "
+        "Redis (staging and production) must each have their own: the upstreams are not in "
+        "the keys, so fleets with one prefix serve each other's answers.",
     )
 
     @field_validator("key_prefix")
