@@ -265,6 +265,9 @@ async def test_an_idempotency_record_that_cannot_be_read_is_a_response_not_kept(
         assert fake.count() == 1
         health = b.gateway.redis_health()
         assert (health["state"], health["errors"]) == ("up", 0)
+        # (Redis refused the read: counted apart, as every layer's WRONGTYPE is; it was counted
+        # nowhere.)
+        assert health["wrong_type"] == (2 if spoil.endswith("(WRONGTYPE)") else 0)
 
 
 async def test_a_retry_of_an_idempotency_record_that_cannot_be_read_is_told_so_not_that_redis_was_full(

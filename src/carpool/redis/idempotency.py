@@ -551,8 +551,8 @@ class RedisIdempotencyRecords:
                 await asyncio.sleep(min(pause, left))
                 pause *= 2
                 continue
-            except WrongType:
-                self._report(None)  # (Redis answered: a key something else wrote)
+            except WrongType as error:
+                self._report(error)  # (Redis answered: the health counts it apart)
                 raise
             except StoreUnavailable as error:
                 if not counted_apart(error):  # (Redis answered: the health counts it)
