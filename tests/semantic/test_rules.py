@@ -908,6 +908,11 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("Is the Atlantic wider than it was?", "Is the Atlantic narrower than it was?"),
         ("How deep is the lake?", "How shallow is the lake?"),
         ("Explain quantum computing for beginners.", "Explain quantum computing for experts."),
+        # (The verifier scored "Hi." / "Bye." 0.995, "hello" / "goodbye" 0.98.)
+        ("Hi!", "Bye!"),
+        ("hello there", "goodbye there"),
+        ("yes, go ahead", "no, go ahead"),  # (a reply's yes or no)
+        ("Sure, delete them.", "Nope, delete them."),
     ):
         assert refused(a, b) == "polarity", (a, b)
 

@@ -340,9 +340,10 @@ async def test_a_prompt_without_a_word_is_matched_exactly_only(sgw, fake, first,
     assert sgw.gateway.semantic.entries == 0
 
 
-#: Marks and filler the packaged verifier misread (scored 0.98-0.99 for unrelated prompts
-#: written with them, 0.10-0.37 without): it reads the texts without them, and emoticons must
-#: match (``rules.tone``).
+#: Marks, filler and politeness the packaged verifier misread (scored 0.98-0.99 for unrelated
+#: prompts written with them, 0.02-0.37 without), and a prompt pasted twice: it reads the texts
+#: without them, and emoticons must match (``rules.tone``); "hi" / "bye" scored 0.99 bare
+#: (``rules.polarity``).
 MISREAD_MARKS = {
     "exclamation": ("Explain machine learning!", "Explain quantum computing!"),
     "exclamations": ("How do I bake bread!!", "How do I bake cake!!"),
@@ -351,6 +352,19 @@ MISREAD_MARKS = {
     "smiley-on-one-side": ("Explain machine learning :)", "Explain quantum computing"),
     "wink": ("ok ;)", "no ;)"),
     "filler": ("Explain machine learning lol", "Explain quantum computing lol"),
+    "politeness": ("continue, thank you", "stop, thank you"),
+    "please": ("go ahead please", "wait please"),
+    "greeting-farewell": ("Hi!", "Bye!"),
+    "yes-no-reply": ("yes, go ahead", "no, go ahead"),
+    # (Filler inside a clause is what is asked about: the verifier reads it.)
+    "filler-asked-about": (
+        "Is it rude to say lol in a work email?",
+        "Is it rude to say in a work email?",
+    ),
+    "pasted-twice": (
+        "Explain machine learning? Explain machine learning?",
+        "Explain quantum computing? Explain quantum computing?",
+    ),
     "sad-for-happy": ("I just got the job :)", "I just got the job :("),
 }
 
@@ -371,6 +385,8 @@ async def test_marks_and_filler_the_verifier_misread_never_make_unrelated_prompt
     [
         ("How do I reset my router? :)", "how can i reset my router :)"),
         ("How do I reset my router lol", "How can I reset my router?"),
+        ("How do I reset my router please", "How do I reset my router"),
+        ("How can I reset my password? Thanks in advance.", "How can I reset my password?"),
     ],
 )
 async def test_a_paraphrase_with_the_same_emoticon_or_with_filler_is_still_served(

@@ -36,7 +36,9 @@ Only when both sides have as many negators ("not", "no", "never", "n't", "withou
 separate word ("safe" / "not safe") is the verifier's, which reads it (semantoneg's held-out
 negations: 0.1 % served). Counting negators here refused four in five true rewordings of the
 "not likely" / "unlikely" kind. The "no" of "no longer" and the "not" of "not ... anymore" are
-not counted: they are read with "still" and against each other.
+not counted: they are read with "still" and against each other. One "no" is read whatever
+the negators: a reply's first word, yes on one side ("yes", "yeah", "yep", "yup", "sure", "ok")
+and no on the other ("no", "nope", "nah"): "yes, go ahead" / "no, go ahead" was served (0.983).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ arrival/departure internal/external incoming/outgoing inbound/outbound beginner/
 beginners/experts novice/expert novices/experts beginner/advanced basic/advanced asleep/awake
 still/no_longer prior/subsequent predate/postdate predates/postdates predated/postdated
 exceed/fall_short exceeds/fall_short exceeded/fall_short exceeding/fall_short
+hi/bye hi/goodbye hello/bye hello/goodbye hey/bye hey/goodbye
 好处/坏处 优点/缺点 增加/减少 删除/恢复 上/下 开/关 买/卖 快/慢 高/低 大/小
 """
 
@@ -218,7 +221,21 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
     return False
 
 
+#: A reply's first word, yes or no: "yes, go ahead" / "no, go ahead" scored 0.983 (a negator
+#: said once more is the verifier's, which read past this one).
+_YES = frozenset("yes yeah yep yup sure ok okay".split())
+_NO = frozenset("no nope nah".split())
+
+
+def _reply(text: str) -> str | None:
+    words = lower_words(text)
+    first = words[0] if words else ""
+    return "yes" if first in _YES else "no" if first in _NO else None
+
+
 def differs(a: str, b: str) -> bool:
+    if {_reply(a), _reply(b)} == {"yes", "no"}:
+        return True
     (na, ea, la, wa), (nb, eb, lb, wb) = _read(a), _read(b)
     return na == nb and (
         ea != eb or _no_longer(la, lb, wb) or _no_longer(lb, la, wa) or _opposed(wa, wb)
