@@ -43,6 +43,14 @@ async def stored(gw, n=1):
     await eventually(lambda: gw.gateway.semantic.entries >= n, what="the semantic insert")
 
 
+async def served_again(gw, first, second):
+    """``second`` asked after ``first``'s answer is stored: a semantic hit, that answer."""
+    answer = await ask(gw, first)
+    await stored(gw)
+    again = await ask(gw, second)
+    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+
+
 @pytest.fixture
 async def sgw(gateway_with):
     async with gateway_with(**SEMANTIC) as served:
@@ -392,10 +400,7 @@ async def test_marks_and_filler_the_verifier_misread_never_make_unrelated_prompt
 async def test_a_paraphrase_with_the_same_emoticon_or_with_filler_is_still_served(
     sgw, fake, first, second
 ):
-    answer = await ask(sgw, first)
-    await stored(sgw)
-    again = await ask(sgw, second)
-    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+    await served_again(sgw, first, second)
 
 
 async def test_a_negation_is_never_served(sgw, fake):
@@ -705,10 +710,7 @@ SERVED_BY_THE_VERIFIER = {
 async def test_a_quantifier_a_relative_a_modal_or_a_condition_reworded_is_still_a_semantic_hit(
     sgw, fake, first, second
 ):
-    answer = await ask(sgw, first)
-    await stored(sgw)
-    again = await ask(sgw, second)
-    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+    await served_again(sgw, first, second)
     assert fake.count() == 1
 
 
@@ -807,10 +809,7 @@ async def test_an_invisible_format_character_keeps_a_prompt_exact(sgw, fake):
 async def test_a_near_repeat_up_to_case_edge_punctuation_and_spacing_is_still_served(
     sgw, fake, first, second
 ):
-    answer = await ask(sgw, first)
-    await stored(sgw)
-    again = await ask(sgw, second)
-    assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
+    await served_again(sgw, first, second)
 
 
 async def test_the_earlier_turns_are_compared_too_another_context_never_matches(sgw, fake):
