@@ -714,3 +714,29 @@ def test_earlier_turns_get_the_near_repeat_bar_only_when_close_whatever_the_text
             assert v.ok, v
         else:
             assert not v.ok and v.reason == Reason.CONTEXT, v
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("Say please", "Say thanks"),  # (the filler left out is what is asked about)
+        ("Is it OK to end a work email with lol?", "Is it OK to end a work email with thanks?"),
+        ("Define um", "Define uh"),
+        # Code differing only in a line's indent, after a sentence said twice: the repeat read
+        # once kept every line break and indent.
+        (
+            "Why does this print once? Why does this print once?\nfor x in xs:\n    print(x)",
+            "Why does this print once? Why does this print once?\nfor x in xs:\nprint(x)",
+        ),
+    ],
+)
+def test_what_the_verifiers_view_leaves_out_is_never_served_unasked(a, b):
+    """The verifier reads the texts without filler and marks it misread (``rules.tone``), but
+    a pair that differs in nothing else is asked about as sent, and a model that says no
+    refuses it. (Before, texts the same once so read were served unasked: "Say please" got
+    the answer to "Say thanks", and a repeated sentence read once lost every indent after it.)"""
+    verifier = FixedScore(0.0, 0.5)
+    guard = RulesThenVerifier(verifier, rules=())
+    (verdict,) = guard.judge_now(Side(a), [Side(b)], [0.5])
+    assert not verdict.ok
+    assert all(p[0].count("\n") == a.count("\n") for p in verifier.asked)  # (lines kept)

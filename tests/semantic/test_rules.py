@@ -913,8 +913,21 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("hello there", "goodbye there"),
         ("yes, go ahead", "no, go ahead"),  # (a reply's yes or no)
         ("Sure, delete them.", "Nope, delete them."),
+        ("Hmm, no, go ahead", "Hmm, yes, go ahead"),  # (its first word but filler)
+        ("thanks! no, go ahead", "thanks! yes, go ahead"),
+        ("Ok so no, go ahead", "Ok so yes, go ahead"),
     ):
         assert refused(a, b) == "polarity", (a, b)
+
+
+def test_polarity_a_yes_or_no_that_is_no_reply_is_read_as_any_word():
+    # "No problem" / "Sure" are the same reply; "Yes or no:" asks for one.
+    for a, b in (
+        ("No problem, how do I reset my router?", "Sure, how do I reset my router?"),
+        ("No worries, explain photosynthesis.", "OK, explain photosynthesis."),
+        ("Yes or no: is Paris in France?", "No or yes: is Paris in France?"),
+    ):
+        assert refused(a, b) != "polarity", (a, b)
 
 
 def test_polarity_opposites_of_everyday_domains_are_refused():

@@ -39,8 +39,7 @@ prompt) and its ``context`` (a conversation's earlier turns, ``verifier.render_c
 for a single turn). Both the texts and the contexts must pass the rules and the verifier; a
 text that is the same on both sides up to the case of plain words, sentence marks, quotes and
 brackets at a word's edges, and spacing (:func:`.retyping.retyped`: never a symbol, an emoji, an
-acronym's case or a line's indentation), or the same so once the verifier's view is made
-(:func:`read`: "yes please" / "yes"), or a context that is identical, is not asked about;
+acronym's case or a line's indentation), or a context that is identical, is not asked about;
 contexts refused by the verifier give :attr:`Reason.CONTEXT`, and so do earlier turns on one
 side only (never asked: the verifier scored an instruction against none 0.99). ``judge_now``
 is the same, synchronous (offline evaluation). Symmetric: swapping ``new`` and a candidate
@@ -94,8 +93,11 @@ def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
 
 def read(a: str, b: str) -> tuple[str, str]:
     """The pair as the verifier is given it (:func:`.rules.tone.as_read`: the texts the
-    packaged one learned from had no emoticons, no "!!", no chat filler)."""
-    return as_read(a), as_read(b)
+    packaged one learned from had no emoticons, no "!!", no chat filler); as sent where that
+    would make them the same: what was left out is then all they differ in ("Say please" /
+    "Say thanks"), for the model to read."""
+    plain = as_read(a), as_read(b)
+    return (a, b) if retyped(*plain) else plain
 
 
 #: A near repeat's bar. Measured on the calibration lines (every 10th development pair, never
@@ -176,12 +178,9 @@ class RulesThenVerifier:
                 asked.append((None, None))
                 continue
             text = None if retyped(new.text, cached.text) else read(new.text, cached.text)
-            if text is not None and retyped(*text):
-                text = None  # (the same once read: the model scored "yes" / "yes" 0.72)
             # Exact: retyping may move a turn's boundary.
             same = new.context == cached.context
-            context = None if same else read(new.context, cached.context)
-            asked.append((text, None if context is None or retyped(*context) else context))
+            asked.append((text, None if same else read(new.context, cached.context)))
         cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
         pairs: list[tuple[str, str]] = []
         slots: list[tuple[int, int]] = []

@@ -143,7 +143,8 @@ _CASES = {
 }
 #: Possessives dropped: "my brother" is the brother whoever's he is ("I owe my brother").
 _POSSESSIVES = frozenset({"my", "our", "their", "his"})
-_SENTENCE = re.compile(r"[.?!;]+(?:\s|$)")
+#: (From a run's start, read whole: "!" * 4,095 + "x" was tried from every mark, 0.4 s.)
+_SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
 
 
 def _folded(sentence: str) -> tuple[str, ...]:

@@ -37,8 +37,9 @@ separate word ("safe" / "not safe") is the verifier's, which reads it (semantone
 negations: 0.1 % served). Counting negators here refused four in five true rewordings of the
 "not likely" / "unlikely" kind. The "no" of "no longer" and the "not" of "not ... anymore" are
 not counted: they are read with "still" and against each other. One "no" is read whatever
-the negators: a reply's first word, yes on one side ("yes", "yeah", "yep", "yup", "sure", "ok")
-and no on the other ("no", "nope", "nah"): "yes, go ahead" / "no, go ahead" was served (0.983).
+the negators: a reply's yes or no, its first word but filler and a clause of its own, yes on
+one side ("yes", "yeah", "yep", "yup", "sure", "ok") and no on the other ("no", "nope",
+"nah"): "yes, go ahead" / "no, go ahead" was served (0.983); "No problem, ..." is no reply.
 """
 
 from __future__ import annotations
@@ -221,16 +222,22 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
     return False
 
 
-#: A reply's first word, yes or no: "yes, go ahead" / "no, go ahead" scored 0.983 (a negator
-#: said once more is the verifier's, which read past this one).
-_YES = frozenset("yes yeah yep yup sure ok okay".split())
+#: A reply's yes or no: its first word but filler ("hmm", "well", "so", "thanks"...), a clause
+#: of its own (before a mark, "please" or "thanks", or the end: not "No problem, ...", "Yes or
+#: no: ..."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
+#: verifier's, which read past this one), and so did "Hmm, no, go ahead" / "Hmm, yes, ...".
+_REPLY = re.compile(
+    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+)*?"
+    r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b"
+    r"(?=\s*+(?:(?:please|thanks|thank you)\b\s*+)?(?:[,.!;:?]|$))",
+    re.I,
+)
 _NO = frozenset("no nope nah".split())
 
 
 def _reply(text: str) -> str | None:
-    words = lower_words(text)
-    first = words[0] if words else ""
-    return "yes" if first in _YES else "no" if first in _NO else None
+    m = _REPLY.match(norm(text))
+    return None if m is None else "no" if m.group("word").lower() in _NO else "yes"
 
 
 def differs(a: str, b: str) -> bool:

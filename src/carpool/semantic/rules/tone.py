@@ -15,7 +15,8 @@ computing :)" 0.993 (0.119 without), "How do I bake bread!" / "How do I bake cak
   politeness ("please", "thanks", "thank you (so much) (in advance)") left out at a clause's
   start or end (inside one, the word is what is asked about: "Is it rude to say lol in a work
   email?"), a run of "!" and "?" after a word read as one mark ("?" if it holds one, else
-  "."), a sentence said twice in a row read once. An ellipsis and brackets stay ("( If any )"
+  "."), a sentence said twice in a row, word for word, read once (line breaks and indents
+  kept). An ellipsis and brackets stay ("( If any )"
   read without its brackets was served for another question). What the rules read is the
   text as sent; only the model's view is plainer, as the texts it learned from were. Linear
   in the text, as every rule (possessive repeats, no pattern tried again shorter: a first
@@ -58,10 +59,10 @@ _WORD = re.compile(r"\S+")
 _FACES = re.compile(r"(?:[ \t])?(?:" + _EMOTICON.pattern + ")")
 #: A run of exclamation and question marks after a word (never ``!=``, "what does !! do").
 _MARKS = re.compile(r"(?<=\w)[!?！？]++(?=\s|$|[\"')\]])")
-#: Where a text's sentences end: one said again at once is read once ("Q? Q?" is "Q?": pasted
-#: twice, unrelated questions scored 0.76 on average, "Explain machine learning?" twice /
-#: "Explain quantum computing?" twice 0.982).
-_SENTENCE_END = re.compile(r"(?<=[.?!。？！])\s+")
+#: Where a text's sentences end (the white space after, kept): one said again at once is read
+#: once ("Q? Q?" is "Q?": pasted twice, unrelated questions scored 0.76 on average, "Explain
+#: machine learning?" twice / "Explain quantum computing?" twice 0.982).
+_SENTENCE_END = re.compile(r"((?<=[.?!。？！])\s+)")
 
 
 @memo
@@ -136,10 +137,14 @@ def _unpadded(clause: str) -> str | None:
 
 
 def _once(text: str) -> str:
-    """``text`` with a sentence said again at once read once (case aside); as it is else."""
-    sentences = _SENTENCE_END.split(text)
-    kept = [s for i, s in enumerate(sentences) if i == 0 or s.lower() != sentences[i - 1].lower()]
-    return text if len(kept) == len(sentences) else " ".join(kept)
+    """``text`` with a sentence said again at once, word for word, read once (with the white
+    space before it; every other line break and indent kept: code's meaning)."""
+    parts = _SENTENCE_END.split(text)  # (sentence, space, sentence, ...)
+    out = parts[:1]
+    for i in range(2, len(parts), 2):
+        if parts[i] != parts[i - 2]:
+            out += parts[i - 1 : i + 1]
+    return "".join(out)
 
 
 @memo
