@@ -916,8 +916,17 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("Hmm, no, go ahead", "Hmm, yes, go ahead"),  # (its first word but filler)
         ("thanks! no, go ahead", "thanks! yes, go ahead"),
         ("Ok so no, go ahead", "Ok so yes, go ahead"),
+        ("No - go ahead", "Yes - go ahead"),  # (no mark after it: still a reply)
+        ("No\ngo ahead and delete it", "Yes\ngo ahead and delete it"),
+        ("No go ahead and delete it", "Yes go ahead and delete it"),
+        ("Ok, no, go ahead", "Ok, yes, go ahead"),  # (the last of a run of filler)
     ):
         assert refused(a, b) == "polarity", (a, b)
+
+
+def test_operators_a_factorial_is_no_exclamation():
+    assert refused("How big is 52!", "How big is 52?") == "operator"
+    assert refused("Is 3!! the same as 3!", "Is 3! the same as 3") == "operator"
 
 
 def test_polarity_a_yes_or_no_that_is_no_reply_is_read_as_any_word():

@@ -65,3 +65,11 @@ def test_emoticons_differ_as_a_multiset_and_the_rule_is_last():
     assert not RULE.differs("Explain it :-)", "explain it :)")  # (a nose is no other face)
     assert not RULE.differs("Explain it!", "Explain it lol")  # (marks and filler are not read)
     assert RULE.differs("How do I type :'( on a keyboard?", "How do I type :( on a keyboard?")
+    # Filler of other kinds on both sides: a word swapped, which the verifier does not read.
+    assert RULE.differs("Japanese for thanks?", "Japanese for please?")
+    assert RULE.differs(
+        "Should I start my email with lol", "Should I begin my email with thank you"
+    )
+    assert RULE.differs("Is it rude to text back ok", "Is it rude to text back thanks")
+    assert not RULE.differs("Thanks! How do I reset it?", "thank you so much, how can I reset it")
+    assert not RULE.differs("How do I reset it please", "How do I reset it")  # (one side)

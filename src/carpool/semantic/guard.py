@@ -58,7 +58,7 @@ from typing import Protocol
 from .retyping import close, retyped, unseen_difference
 from .rules import RULES
 from .rules.polarity import negators
-from .rules.tone import as_read
+from .rules.tone import reading
 from .verdict import Reason, Rule, Verdict
 from .verifier import Verifier
 
@@ -92,12 +92,15 @@ def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
 
 
 def read(a: str, b: str) -> tuple[str, str]:
-    """The pair as the verifier is given it (:func:`.rules.tone.as_read`: the texts the
-    packaged one learned from had no emoticons, no "!!", no chat filler); as sent where that
-    would make them the same: what was left out is then all they differ in ("Say please" /
-    "Say thanks"), for the model to read."""
-    plain = as_read(a), as_read(b)
-    return (a, b) if retyped(*plain) else plain
+    """The pair as the verifier is given it (:func:`.rules.tone.reading`: the texts the
+    packaged one learned from had no emoticons, no "!!", no chat filler), when both sides left
+    out the same (filler of the same kinds, as many repeated sentences) and still differ; as
+    sent else: what was left out is part of what they differ in ("Say please" / "Say
+    thanks", "Is it rude to reply ok" / "... to respond thanks"), for the model to read."""
+    (plain_a, left_a, once_a), (plain_b, left_b, once_b) = reading(a), reading(b)
+    if (left_a, once_a) != (left_b, once_b) or retyped(plain_a, plain_b):
+        return a, b
+    return plain_a, plain_b
 
 
 #: A near repeat's bar. Measured on the calibration lines (every 10th development pair, never

@@ -24,11 +24,8 @@ Contract
   batch moved each other's scores by up to 0.085 ("...safe to drink tap water in Lisbon?" /
   "...not safe...": 0.165 alone, 0.250 beside a long pair). Each ``scores`` call is one
   lookup's pairs, on the one worker thread: calls are never merged across lookups (tenants).
-  Measured on the 2-core machine (Quora pairs, median 26 tokens; interleaved, p50): one pair
-  6.0 ms as before; 4, 8, 16 pairs of mixed lengths 37 -> 30, 75 -> 51, 171 -> 103 ms (none
-  padded now); of about one length 24 -> 27, 41 -> 45, 94 -> 105 ms. Rewriting the graph at
-  load to quantise each batch row on its own instead (tried, same scores) cost more: 16-29 %
-  more for one pair, 14-34 % more for mixed lengths, 7-11 % for one length.
+  Measured (2 cores, Quora pairs, p50): one pair 6.0 ms; 16 of mixed lengths 171 -> 103 ms (a
+  graph quantising each row on its own cost 7-34 % more; docs/semantic.md has the rest).
 - The pair the model reads is the whole text of each side, up to ``max_length`` tokens between
   them. ``unread(pairs)`` says which pairs it would have to cut (the longer side first): those
   score 0, as does a pair with a token the model's vocabulary does not have (``[UNK]``: most
@@ -38,11 +35,9 @@ Contract
   pasted email.) A conversation's earlier turns are read as one text
   (:func:`render_context`), compared by a second pair beside the last turns (``semantic.cache``).
 
-Why a model and not rules: meaning-level changes (negation, antonyms, a changed detail, another
-intent) have no closed list; a hand-written grammar that caught them grew to ~2,600 lines and still
-missed every trap kind it had not been written for. What a model cannot be trusted with (numbers,
-operators, quoted text and identifiers, names, word order) is checked exactly, before it, by the
-rules of :mod:`carpool.semantic.rules`.
+Why a model: meaning-level changes have no closed list (a grammar grew to ~2,600 lines, missing
+every trap kind it was not written for); the rest is checked exactly (:mod:`.rules`). A pair is
+also scored as its core (shared edges cut: they drowned a one-word difference; :mod:`.frame`).
 """
 
 from __future__ import annotations
@@ -56,6 +51,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
+
+from .frame import core
 
 #: Tokens of the pair read by the model (both sides, with [CLS] and two [SEP]).
 MAX_LENGTH = 256
@@ -181,16 +178,20 @@ class CrossEncoder:
         self.pairs = 0  # pairs scored
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        """``scores``, synchronously (offline tools, and the worker thread)."""
+        """``scores``, synchronously; a pair's core's where lower (:mod:`.frame`)."""
+        cores = [core(a, b) for a, b in pairs]
+        cut = iter(self._score([c for c in cores if c is not None]))
+        whole = self._score(pairs)
+        return [min(s, next(cut)) if c else s for s, c in zip(whole, cores, strict=True)]
+
+    def _score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         if not pairs:
             return []
         np = self._np
         out = []
-        # One model run a pair: the int8 model quantises its activations with one scale per run
-        # (DynamicQuantizeLinear), over every pair in it and their padding, so a pair scored
-        # beside others moved by up to 0.085 with them. Alone, its score is its own; and with
-        # no padding, a lookup's candidates of mixed lengths cost less than in one batch
-        # (measured: the module's contract).
+        # One model run a pair: the int8 model quantises its activations with one scale per
+        # run, over every pair in it (a pair beside others moved by up to 0.085); alone, its
+        # score is its own, and unpadded, mixed lengths cost less (the module's contract).
         for e in self._encoded(pairs):
             ids = np.array([e.ids], dtype=np.int64)
             feed = {

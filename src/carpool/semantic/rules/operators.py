@@ -73,8 +73,9 @@ _CODE_WORDS = re.compile(
 #: A group in parentheses: its operators grouped ("not (x and y)" is no "not x and y").
 _GROUP = re.compile(r"\([^()]*\)")
 #: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
-#: (A run of "!" read from its start, whole: "!" * 4,095 + "x" was tried from each, 0.44 s.)
-_PROSE = re.compile(r"(?<!!)!++(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
+#: (A run of "!" read from its start, whole: "!" * 4,095 + "x" was tried from each, 0.44 s.
+#: After a digit it is a factorial: "How big is 52!" / "How big is 52?" was served, 0.988.)
+_PROSE = re.compile(r"(?<![!\d])!++(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
 
 
 @memo

@@ -222,14 +222,14 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
     return False
 
 
-#: A reply's yes or no: its first word but filler ("hmm", "well", "so", "thanks"...), a clause
-#: of its own (before a mark, "please" or "thanks", or the end: not "No problem, ...", "Yes or
-#: no: ..."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
+#: A reply's yes or no: its first word but filler ("hmm", "well", "so", "thanks"...; the last
+#: of a run: "Ok, no, ..." is no), not the start of a phrase ("No problem, ...", "no one",
+#: "Yes or no: ..."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
 #: verifier's, which read past this one), and so did "Hmm, no, go ahead" / "Hmm, yes, ...".
 _REPLY = re.compile(
-    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+)*?"
-    r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b"
-    r"(?=\s*+(?:(?:please|thanks|thank you)\b\s*+)?(?:[,.!;:?]|$))",
+    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+)*"
+    r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
+    r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or|and)\b)",
     re.I,
 )
 _NO = frozenset("no nope nah".split())

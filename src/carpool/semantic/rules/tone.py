@@ -57,8 +57,9 @@ _WORD = re.compile(r"\S+")
 #: What the verifier is not given: an emoticon with the one space or tab before it (no other
 #: spacing moves: a line's indentation is code's meaning, ``retyping``).
 _FACES = re.compile(r"(?:[ \t])?(?:" + _EMOTICON.pattern + ")")
-#: A run of exclamation and question marks after a word (never ``!=``, "what does !! do").
-_MARKS = re.compile(r"(?<=\w)[!?！？]++(?=\s|$|[\"')\]])")
+#: A run of exclamation and question marks after a letter (never ``!=``, "what does !! do", a
+#: factorial: "52!").
+_MARKS = re.compile(r"(?<=[^\W\d_])[!?！？]++(?=\s|$|[\"')\]])")
 #: Where a text's sentences end (the white space after, kept): one said again at once is read
 #: once ("Q? Q?" is "Q?": pasted twice, unrelated questions scored 0.76 on average, "Explain
 #: machine learning?" twice / "Explain quantum computing?" twice 0.982).
@@ -79,15 +80,22 @@ def emoticons(text: str) -> Counter[str]:
 
 
 def _differs(a: str, b: str) -> bool:
-    return emoticons(a) != emoticons(b)
+    if emoticons(a) != emoticons(b):
+        return True
+    # Filler on both sides, of other kinds: a word swapped for another, which the verifier
+    # does not read ("Japanese for thanks?" / "...for please?" 0.996, "Is it rude to reply ok"
+    # / "...thanks"), even where it is what is asked about.
+    said_a, said_b = reading(a)[1], reading(b)[1]
+    return bool(said_a) and bool(said_b) and said_a != said_b
 
 
-def _edges(text: str) -> str:
+def _edges(text: str) -> tuple[str, list[str]]:
     """``text`` without the filler at the start or end of each clause; a clause of filler
     alone goes with the marks after it, or the comma before it ("continue, thank you" is
     "continue", "...? Thanks!" is "...?", "hmm, what is it?" is "what is it?"). Linear: each clause's words are looked at from
     either end, a few at a time."""
     out: list[str] = []
+    fillers: list[str] = []  # (what was left out, each as its kind)
     dropped = False  # (the clause before these marks was all filler)
     for part in _CLAUSE.findall(text):
         if part[0] in _MARK_CHARS:
@@ -95,23 +103,26 @@ def _edges(text: str) -> str:
                 out.append(part)
             dropped = False
             continue
-        kept = _unpadded(part)
+        kept = _unpadded(part, fillers)
         if kept is None:  # (all filler)
             if out and out[-1].strip() == ",":
                 out.pop()
             dropped = True
             continue
         out.append(kept)
-    return "".join(out)
+    return "".join(out), fillers
 
 
-def _unpadded(clause: str) -> str | None:
-    """``clause`` without its leading and trailing filler (its own spacing kept); None when
-    it is nothing else."""
+def _unpadded(clause: str, fillers: list[str]) -> str | None:
+    """``clause`` without its leading and trailing filler (its own spacing kept; each kind
+    left out added to ``fillers``); None when it is nothing else."""
     words = list(_WORD.finditer(clause))
 
     def filler(i: int, j: int) -> bool:
-        return _FILLER.fullmatch(clause[words[i].start() : words[j - 1].end()]) is not None
+        said = _FILLER.fullmatch(clause[words[i].start() : words[j - 1].end()])
+        if said is not None:
+            fillers.append(_kind(said.group()))
+        return said is not None
 
     def span(first: int, last: int, step: int) -> int:
         """How many words of filler run from ``first`` towards ``last`` (step 1 or -1)."""
@@ -136,25 +147,47 @@ def _unpadded(clause: str) -> str | None:
     return head + clause[words[first].start() : words[last - 1].end()] + tail
 
 
-def _once(text: str) -> str:
+def _kind(filler: str) -> str:
+    """What a filler says: thanks, please, a laugh, a pause, an ok ("thx" and "thank you so
+    much" are both thanks)."""
+    word = filler.lower()
+    if word.startswith(("than", "thx")):
+        return "thanks"
+    if word.startswith("pl"):
+        return "please"
+    if word.startswith(("ok", "okay")):
+        return "ok"
+    return "pause" if word[0] in "hu" and not word.startswith(("ha", "he")) else "laugh"
+
+
+def _once(text: str) -> tuple[str, int]:
     """``text`` with a sentence said again at once, word for word, read once (with the white
-    space before it; every other line break and indent kept: code's meaning)."""
+    space before it; every other line break and indent kept: code's meaning), and how many
+    were left out."""
     parts = _SENTENCE_END.split(text)  # (sentence, space, sentence, ...)
     out = parts[:1]
     for i in range(2, len(parts), 2):
         if parts[i] != parts[i - 2]:
             out += parts[i - 1 : i + 1]
-    return "".join(out)
+    return "".join(out), (len(parts) - len(out)) // 2
 
 
 @memo
-def as_read(text: str) -> str:
-    """``text`` as the verifier is given it (the module's contract); as sent when nothing of
-    it would be left but marks ("lol" / "haha" are not the same question)."""
-    plain = _edges(_FACES.sub("", text))
+def reading(text: str) -> tuple[str, tuple[str, ...], int]:
+    """``text`` as the verifier may be given it (the module's contract), with what that left
+    out: the kinds of filler (sorted) and how many repeated sentences; as sent, nothing left
+    out, when nothing of it would be left but marks ("lol" / "haha")."""
+    plain, fillers = _edges(_FACES.sub("", text))
     plain = _MARKS.sub(lambda m: "?" if "?" in m.group() or "？" in m.group() else ".", plain)
-    plain = _once(plain.strip())
-    return plain if any(ch.isalnum() for ch in plain) else text
+    plain, repeats = _once(plain.strip())
+    if not any(ch.isalnum() for ch in plain):
+        return text, (), 0
+    return plain, tuple(sorted(fillers)), repeats
+
+
+def as_read(text: str) -> str:
+    """``text`` as the verifier may be given it (:func:`reading`)."""
+    return reading(text)[0]
 
 
 RULE = Rule(Reason.TONE, _differs)

@@ -1,0 +1,72 @@
+"""A pair's core: what is left of two prompts without the wording they share at their edges.
+
+Shared wording around a one-word difference drowned it for the packaged verifier: "Hey there,
+how do I bake bread?" / "...cake?" scored 0.995 (0.83 bare), "Hello! Why do cats purr?" /
+"...hiss?" 0.996 (0.035 bare); over 32 pairs one content word apart, a greeting shared by both
+got 10 served, "Question: " 7, " Answer briefly." 4, none bare. So the verifier scores such a
+pair both as sent and as its core, and keeps the lower score (``verifier.CrossEncoder``).
+
+Contract: ``core(a, b)`` is the pair without the clauses and sentences both open or end with,
+word for word (case and spacing aside; at least one clause left a side), and without shared
+words before a question word ("hey there how do i..." has no mark to cut at); None when they
+share no such edge, or when what is left is not one content word apart (the same words but
+one, a content word on both sides, not another form of one word: ``rules.substitution``). A
+longer rewording read without its context lost it ("My girlfrien just left me..." cut to a
+clause scored 0.79): only a one-word difference is read bare. Measured on the held-out
+development pairs: no decision changed (always scoring the core lost 7 true rewordings).
+Linear in the texts.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .rules.substitution import FUNCTION, _same_word
+from .rules.text import lower_words
+
+#: A clause with the marks after it: what a pair's shared edges are cut in.
+_SEGMENT = re.compile(r"[^,.?!;:\n]+[,.?!;:\n]*|[,.?!;:\n]+")
+_QUESTION = frozenset("how what why where when which who whom whose".split())
+
+
+def core(a: str, b: str) -> tuple[str, str] | None:
+    """The pair without the wording both share at their edges (the module's contract)."""
+    x, y = _SEGMENT.findall(a), _SEGMENT.findall(b)
+    shortest = min(len(x), len(y))
+    head = 0
+    while head < shortest - 1 and _same(x[head], y[head]):
+        head += 1
+    tail = 0
+    while tail < shortest - head - 1 and _same(x[-1 - tail], y[-1 - tail]):
+        tail += 1
+    cx = "".join(x[head : len(x) - tail]).strip()
+    cy = "".join(y[head : len(y) - tail]).strip()
+    # An opener without a mark ("hey there how do i..."): shared words before a question word.
+    wx, wy = cx.split(), cy.split()
+    shared = 0
+    while shared < min(len(wx), len(wy)) - 1 and wx[shared].lower() == wy[shared].lower():
+        shared += 1
+    opener = max((i for i in range(1, shared + 1) if wx[i].lower() in _QUESTION), default=0)
+    if opener:
+        cx, cy = " ".join(wx[opener:]), " ".join(wy[opener:])
+    elif not head and not tail:
+        return None
+    if not cx or not cy or cx == cy or not _one_word_apart(cx, cy):
+        return None
+    return cx, cy
+
+
+def _same(u: str, v: str) -> bool:
+    return u.strip().lower() == v.strip().lower()
+
+
+def _one_word_apart(a: str, b: str) -> bool:
+    """The same words but one, a content word on both sides, not another form of one word."""
+    x, y = lower_words(a), lower_words(b)
+    if len(x) != len(y):
+        return False
+    changed = [(u, v) for u, v in zip(x, y, strict=True) if u != v]
+    if len(changed) != 1:
+        return False
+    (u, v) = changed[0]
+    return u.isalpha() and v.isalpha() and FUNCTION.isdisjoint((u, v)) and not _same_word(u, v)

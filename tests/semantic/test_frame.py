@@ -1,0 +1,70 @@
+"""frame.py: a pair's core, and the verifier scoring it where shared wording drowned a word."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.semantic.frame import core
+
+
+@pytest.mark.parametrize(
+    "a, b, cut",
+    [
+        (
+            "Hey there, how do I bake bread?",
+            "Hey there, how do I bake cake?",
+            ("how do I bake bread?", "how do I bake cake?"),
+        ),
+        (
+            "How do I bake bread? Answer briefly.",
+            "How do I bake cake? Answer briefly.",
+            ("How do I bake bread?", "How do I bake cake?"),
+        ),
+        (
+            "hey there how do i bake bread",
+            "hey there how do i bake cake",
+            ("how do i bake bread", "how do i bake cake"),
+        ),
+        (
+            "Question: why do cats purr?",
+            "Question: why do cats hiss?",
+            ("why do cats purr?", "why do cats hiss?"),
+        ),
+    ],
+)
+def test_the_core_is_the_pair_without_its_shared_edges(a, b, cut):
+    assert core(a, b) == cut
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("How do I bake bread?", "How do I bake cake?"),  # (no shared edge: scored as sent)
+        ("Hey there, how do I bake bread?", "Hey there, how do I bake bread?"),  # (the same)
+        # More than one word apart: read without its context, a rewording lost it.
+        ("Hey, my girlfrien just left me. What now?", "Hey, my girlfriend left me. What do I do?"),
+        ("Hey there, how do I bake bread?", "Hey there, how do I bake breads?"),  # (a word form)
+        ("Hey there, how do I bake the bread?", "Hey there, how do I bake a bread?"),  # (function)
+    ],
+)
+def test_there_is_no_core_but_one_content_word_apart_inside_shared_edges(a, b):
+    assert core(a, b) is None
+
+
+def test_the_verifier_scores_a_pair_as_its_core_where_that_is_lower():
+    pytest.importorskip("onnxruntime")
+    from carpool.semantic.verifier import CrossEncoder
+
+    verifier = CrossEncoder()
+    framed = [
+        ("Hey there, how do I bake bread?", "Hey there, how do I bake cake?"),
+        ("Hello! Why do cats purr?", "Hello! Why do cats hiss?"),
+        ("hey there how do i bake bread", "hey there how do i bake cake"),
+        ("Question: how do I train puppies?", "Question: how do I train kittens?"),
+    ]
+    assert max(verifier.score(framed)) < verifier.threshold
+    # A rewording in a shared frame is still the same.
+    (kept,) = verifier.score(
+        [("Question: why are dogs afraid of thunder?", "Question: why are dogs scared of thunder?")]
+    )
+    assert kept >= verifier.threshold
