@@ -9,18 +9,20 @@ computing :)" 0.993 (0.119 without), "How do I bake bread!" / "How do I bake cak
 - ``RULE``: the emoticons of each side (``:)``, ``:-(``, ``;)``, ``:D``, ``xD``, ``<3``,
   ``^_^``...; a nose or a repeated mouth read as one: ``:-)))`` is ``:)``), as a multiset, must
   be equal: "I got the job :)" and "I got the job :(" are answered differently, and the
-  verifier, which reads them without (below), cannot tell.
-- :func:`as_read`: the text the verifier is given: emoticons left out (with the space before
-  each: no other spacing moves), chat filler ("lol", "haha", "pls", "thx", "hmm", "ok") and
-  politeness ("please", "thanks", "thank you (so much) (in advance)") left out at a clause's
-  start or end (inside one, the word is what is asked about: "Is it rude to say lol in a work
-  email?"), a run of "!" and "?" after a word read as one mark ("?" if it holds one, else
-  "."), a sentence said twice in a row, word for word, read once (line breaks and indents
-  kept). An ellipsis and brackets stay ("( If any )"
-  read without its brackets was served for another question). What the rules read is the
-  text as sent; only the model's view is plainer, as the texts it learned from were. Linear
-  in the text, as every rule (possessive repeats, no pattern tried again shorter: a first
-  version took 6.7 s on "!" * 1,024 + "x").
+  verifier, which reads them without (below), cannot tell; and filler on both sides must be
+  of the same kinds (thanks, please, a laugh, a pause, an ok): "Japanese for thanks?" /
+  "...for please?" scored 0.996.
+- :func:`reading`: the text the verifier may be given (``guard.read``: where both sides left
+  out the same; else the texts as sent) and what it left out: emoticons (with the space
+  before each: no other spacing moves); chat filler ("lol", "haha", "pls", "thx", "hmm",
+  "ok") and politeness ("please", "thanks", "thank you (so much) (in advance)") at a clause's
+  start or end (inside one, the word is what is asked about: "Is it rude to say lol in a
+  work email?"); a sentence said twice in a row, word for word (line breaks and indents
+  kept). A run of "!" and "?" after a letter is read as one mark ("?" if it holds one, else
+  "."). An ellipsis and brackets stay ("( If any )" read without its brackets was served
+  for another question). What the rules read is the text as sent; only the model's view is
+  plainer, as the texts it learned from were. Linear in the text, as every rule (possessive
+  repeats, no pattern tried again shorter: a first version took 6.7 s on "!" * 1,024 + "x").
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def _differs(a: str, b: str) -> bool:
 
 
 def _edges(text: str) -> tuple[str, list[str]]:
-    """``text`` without the filler at the start or end of each clause; a clause of filler
-    alone goes with the marks after it, or the comma before it ("continue, thank you" is
-    "continue", "...? Thanks!" is "...?", "hmm, what is it?" is "what is it?"). Linear: each clause's words are looked at from
-    either end, a few at a time."""
+    """``text`` without the filler at the start or end of each clause, and the kinds left
+    out; a clause of filler alone goes with the marks after it, or the comma before it
+    ("continue, thank you" is "continue", "...? Thanks!" is "...?", "hmm, what is it?" is
+    "what is it?"). Linear: each clause's words are looked at from either end, a few at a
+    time."""
     out: list[str] = []
     fillers: list[str] = []  # (what was left out, each as its kind)
     dropped = False  # (the clause before these marks was all filler)
