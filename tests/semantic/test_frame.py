@@ -68,3 +68,18 @@ def test_the_verifier_scores_a_pair_as_its_core_where_that_is_lower():
         [("Question: why are dogs afraid of thunder?", "Question: why are dogs scared of thunder?")]
     )
     assert kept >= verifier.threshold
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("Hello how do cats purr?", "Hello (how do cats hiss?)"),
+        ("Hey there, how do I bake bread?", "Hey there, how do I bake cake?"),
+        ("hey there how do i bake bread", "hey there how do i bake cake"),
+    ],
+)
+def test_the_core_is_the_same_whichever_side_is_asked(a, b):
+    """(A question word on one side only, "how" / "(how", was cut at in one order: a verdict
+    that was not symmetric, the answer to "...purr?" served for "...hiss?" one way round.)"""
+    swapped = core(b, a)
+    assert core(a, b) == (None if swapped is None else swapped[::-1])

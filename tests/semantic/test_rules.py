@@ -920,6 +920,10 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("No\ngo ahead and delete it", "Yes\ngo ahead and delete it"),
         ("No go ahead and delete it", "Yes go ahead and delete it"),
         ("Ok, no, go ahead", "Ok, yes, go ahead"),  # (the last of a run of filler)
+        ("Good question. No, go ahead", "Good question. Yes, go ahead"),  # (a clause's)
+        ("Hi! No, go ahead", "Hi! Yes, go ahead"),
+        ("Right, no, go ahead", "Right, yes, go ahead"),
+        ("Yes and go ahead", "No and go ahead"),
     ):
         assert refused(a, b) == "polarity", (a, b)
 

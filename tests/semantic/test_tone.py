@@ -72,4 +72,7 @@ def test_emoticons_differ_as_a_multiset_and_the_rule_is_last():
     )
     assert RULE.differs("Is it rude to text back ok", "Is it rude to text back thanks")
     assert not RULE.differs("Thanks! How do I reset it?", "thank you so much, how can I reset it")
+    # Of one kind but other words, when that is all they differ in (the model cannot count).
+    assert RULE.differs("How many letters are in: thanks", "How many letters are in: thank you")
+    assert RULE.differs("How many letters are in: please", "How many letters are in: pls")
     assert not RULE.differs("How do I reset it please", "How do I reset it")  # (one side)

@@ -46,7 +46,9 @@ def core(a: str, b: str) -> tuple[str, str] | None:
     shared = 0
     while shared < min(len(wx), len(wy)) - 1 and wx[shared].lower() == wy[shared].lower():
         shared += 1
-    opener = max((i for i in range(1, shared + 1) if wx[i].lower() in _QUESTION), default=0)
+    # (A word both sides say: the first one they differ in may be a question word on one side
+    # only, "how" / "(how", and the cut, made in one order, was not in the other.)
+    opener = max((i for i in range(1, shared) if wx[i].lower() in _QUESTION), default=0)
     if opener:
         cx, cy = " ".join(wx[opener:]), " ".join(wy[opener:])
     elif not head and not tail:

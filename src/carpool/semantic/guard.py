@@ -96,11 +96,12 @@ def read(a: str, b: str) -> tuple[str, str]:
     packaged one learned from had no emoticons, no "!!", no chat filler), when both sides left
     out the same (filler of the same kinds, as many repeated sentences) and still differ; as
     sent else: what was left out is part of what they differ in ("Say please" / "Say
-    thanks", "Is it rude to reply ok" / "... to respond thanks"), for the model to read."""
-    (plain_a, left_a, once_a), (plain_b, left_b, once_b) = reading(a), reading(b)
-    if (left_a, once_a) != (left_b, once_b) or retyped(plain_a, plain_b):
+    thanks", "Is it rude to reply ok" / "... to respond thanks"), for the model to read (the
+    rules refuse filler of other kinds, or other words when that is all: ``rules.tone``)."""
+    x, y = reading(a), reading(b)
+    if (x.kinds, x.repeats) != (y.kinds, y.repeats) or retyped(x.text, y.text):
         return a, b
-    return plain_a, plain_b
+    return x.text, y.text
 
 
 #: A near repeat's bar. Measured on the calibration lines (every 10th development pair, never

@@ -179,7 +179,7 @@ class CrossEncoder:
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """``scores``, synchronously; a pair's core's where lower (:mod:`.frame`)."""
-        cores = [core(a, b) for a, b in pairs]
+        cores = [core(*ordered(a, b)) for a, b in pairs]
         cut = iter(self._score([c for c in cores if c is not None]))
         whole = self._score(pairs)
         return [min(s, next(cut)) if c else s for s, c in zip(whole, cores, strict=True)]

@@ -222,21 +222,26 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
     return False
 
 
-#: A reply's yes or no: its first word but filler ("hmm", "well", "so", "thanks"...; the last
-#: of a run: "Ok, no, ..." is no), not the start of a phrase ("No problem, ...", "no one",
-#: "Yes or no: ..."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
+#: A reply's yes or no: a clause's first word but filler ("hmm", "well", "so", "thanks"...,
+#: four at most; the last of a run: "Ok, no, ..." is no), not the start of a phrase ("No
+#: problem, ...", "no one", "Yes or no: ..."); the first such clause's, whatever opens the
+#: text ("Good question. No, go ahead", "Right, no, ...", "Hi! No, ...": 0.98-0.995). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
 #: verifier's, which read past this one), and so did "Hmm, no, go ahead" / "Hmm, yes, ...".
 _REPLY = re.compile(
-    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+)*"
+    r"(?:^|(?<=[.,!?;:\n。？！，]))(?![.,!?;:\n。？！，])"  # (a clause's start, after its marks)
+    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+){0,4}"
     r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
-    r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or|and)\b)",
+    r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or)\b)",
     re.I,
 )
+
 _NO = frozenset("no nope nah".split())
 
 
+@memo
 def _reply(text: str) -> str | None:
-    m = _REPLY.match(norm(text))
+    """The first clause's reply that says yes or no (the module's contract), or None."""
+    m = _REPLY.search(norm(text))
     return None if m is None else "no" if m.group("word").lower() in _NO else "yes"
 
 

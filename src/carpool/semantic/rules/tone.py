@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import NamedTuple
 
+from ..retyping import retyped
 from ..verdict import Reason, Rule
 from .text import memo
 
@@ -84,21 +86,26 @@ def emoticons(text: str) -> Counter[str]:
 def _differs(a: str, b: str) -> bool:
     if emoticons(a) != emoticons(b):
         return True
+    if _ANY_FILLER.search(a) is None or _ANY_FILLER.search(b) is None:
+        return False  # (no filler on one side: nothing below; read in a pass of ~1 ms)
     # Filler on both sides, of other kinds: a word swapped for another, which the verifier
     # does not read ("Japanese for thanks?" / "...for please?" 0.996, "Is it rude to reply ok"
-    # / "...thanks"), even where it is what is asked about.
-    said_a, said_b = reading(a)[1], reading(b)[1]
-    return bool(said_a) and bool(said_b) and said_a != said_b
+    # / "...thanks"), even where it is what is asked about; of one kind but other words when
+    # that is all they differ in ("How many letters are in: thanks" / "...: thank you" 0.995).
+    x, y = reading(a), reading(b)
+    if not (x.kinds and y.kinds):
+        return False
+    return x.kinds != y.kinds or (x.words != y.words and retyped(x.text, y.text))
 
 
 def _edges(text: str) -> tuple[str, list[str]]:
-    """``text`` without the filler at the start or end of each clause, and the kinds left
+    """``text`` without the filler at the start or end of each clause, and what was left
     out; a clause of filler alone goes with the marks after it, or the comma before it
     ("continue, thank you" is "continue", "...? Thanks!" is "...?", "hmm, what is it?" is
     "what is it?"). Linear: each clause's words are looked at from either end, a few at a
     time."""
     out: list[str] = []
-    fillers: list[str] = []  # (what was left out, each as its kind)
+    fillers: list[str] = []  # (what was left out, as said)
     dropped = False  # (the clause before these marks was all filler)
     for part in _CLAUSE.findall(text):
         if part[0] in _MARK_CHARS:
@@ -117,14 +124,14 @@ def _edges(text: str) -> tuple[str, list[str]]:
 
 
 def _unpadded(clause: str, fillers: list[str]) -> str | None:
-    """``clause`` without its leading and trailing filler (its own spacing kept; each kind
+    """``clause`` without its leading and trailing filler (its own spacing kept; each one
     left out added to ``fillers``); None when it is nothing else."""
     words = list(_WORD.finditer(clause))
 
     def filler(i: int, j: int) -> bool:
         said = _FILLER.fullmatch(clause[words[i].start() : words[j - 1].end()])
         if said is not None:
-            fillers.append(_kind(said.group()))
+            fillers.append(said.group())
         return said is not None
 
     def span(first: int, last: int, step: int) -> int:
@@ -148,6 +155,19 @@ def _unpadded(clause: str, fillers: list[str]) -> str | None:
         return clause
     head, tail = clause[: words[0].start()], clause[words[-1].end() :]
     return head + clause[words[first].start() : words[last - 1].end()] + tail
+
+
+#: Whether a text may hold filler at all (a first pass: most hold none).
+_ANY_FILLER = re.compile(r"(?i)\b(?:lol|lmao|rofl|haha|hehe|pl[sz]|please|thx|thank|hmm|um|uh|ok)")
+
+
+class Reading(NamedTuple):
+    """A text as the verifier may be given it, and what that left out (:func:`reading`)."""
+
+    text: str
+    kinds: tuple[str, ...]  # the filler's kinds, sorted (thanks, please, laugh, pause, ok)
+    repeats: int  # sentences said again at once
+    words: tuple[str, ...]  # the filler as said, lower case, sorted
 
 
 def _kind(filler: str) -> str:
@@ -176,16 +196,16 @@ def _once(text: str) -> tuple[str, int]:
 
 
 @memo
-def reading(text: str) -> tuple[str, tuple[str, ...], int]:
+def reading(text: str) -> Reading:
     """``text`` as the verifier may be given it (the module's contract), with what that left
-    out: the kinds of filler (sorted) and how many repeated sentences; as sent, nothing left
-    out, when nothing of it would be left but marks ("lol" / "haha")."""
+    out; as sent, nothing left out, when nothing of it would be left but marks ("lol")."""
     plain, fillers = _edges(_FACES.sub("", text))
     plain = _MARKS.sub(lambda m: "?" if "?" in m.group() or "？" in m.group() else ".", plain)
     plain, repeats = _once(plain.strip())
     if not any(ch.isalnum() for ch in plain):
-        return text, (), 0
-    return plain, tuple(sorted(fillers)), repeats
+        return Reading(text, (), 0, ())
+    kinds = tuple(sorted(_kind(word) for word in fillers))
+    return Reading(plain, kinds, repeats, tuple(sorted(w.lower() for w in fillers)))
 
 
 def as_read(text: str) -> str:
