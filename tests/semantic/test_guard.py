@@ -740,3 +740,15 @@ def test_what_the_verifiers_view_leaves_out_is_never_served_unasked(a, b):
     (verdict,) = guard.judge_now(Side(a), [Side(b)], [0.5])
     assert not verdict.ok
     assert all(p[0].count("\n") == a.count("\n") for p in verifier.asked)  # (lines kept)
+
+
+def test_the_verifier_is_given_the_texts_as_sent_where_they_left_out_other_filler():
+    """Filler of one kind but another word ("lol" / "rofl") left out of both sides was all the
+    verifier was not shown: it scored "Write an acronym expansion for:" against "Write the
+    acronym expansion for:" 0.988, the pair as sent 0.116."""
+    from carpool.semantic.guard import read
+
+    a, b = "Write an acronym expansion for: lol", "Write the acronym expansion for: rofl"
+    assert read(a, b) == (a, b)
+    same = ("continue, thank you", "stop, thank you")  # (the same left out: read without it)
+    assert read(*same) == ("continue", "stop")

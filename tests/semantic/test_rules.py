@@ -924,6 +924,12 @@ def test_polarity_opposites_the_list_lacked_are_refused():
         ("Hi! No, go ahead", "Hi! Yes, go ahead"),
         ("Right, no, go ahead", "Right, yes, go ahead"),
         ("Yes and go ahead", "No and go ahead"),
+        # A later clause's, when both open with the same reply word.
+        (
+            "Sure, one more question. Yes, go ahead and delete the branch.",
+            "Sure, one more question. No, go ahead and delete the branch.",
+        ),
+        ("Hi. Hmm well so um oh ah no, go ahead.", "Hi. Hmm well so um oh ah yes, go ahead."),
     ):
         assert refused(a, b) == "polarity", (a, b)
 
@@ -939,6 +945,8 @@ def test_polarity_a_yes_or_no_that_is_no_reply_is_read_as_any_word():
         ("No problem, how do I reset my router?", "Sure, how do I reset my router?"),
         ("No worries, explain photosynthesis.", "OK, explain photosynthesis."),
         ("Yes or no: is Paris in France?", "No or yes: is Paris in France?"),
+        # (A later clause opening with "No" and a noun is no reply.)
+        ("Explain recursion simply. No jargon.", "Explain recursion simply, ok? Without jargon."),
     ):
         assert refused(a, b) != "polarity", (a, b)
 

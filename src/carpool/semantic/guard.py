@@ -94,12 +94,13 @@ def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
 def read(a: str, b: str) -> tuple[str, str]:
     """The pair as the verifier is given it (:func:`.rules.tone.reading`: the texts the
     packaged one learned from had no emoticons, no "!!", no chat filler), when both sides left
-    out the same (filler of the same kinds, as many repeated sentences) and still differ; as
+    out the same (the same filler, as many repeated sentences) and still differ; as
     sent else: what was left out is part of what they differ in ("Say please" / "Say
-    thanks", "Is it rude to reply ok" / "... to respond thanks"), for the model to read (the
+    thanks", "Is it rude to reply ok" / "... to respond thanks", "...expansion for: lol" /
+    "...for: rofl"), for the model to read (the
     rules refuse filler of other kinds, or other words when that is all: ``rules.tone``)."""
     x, y = reading(a), reading(b)
-    if (x.kinds, x.repeats) != (y.kinds, y.repeats) or retyped(x.text, y.text):
+    if (x.words, x.repeats) != (y.words, y.repeats) or retyped(x.text, y.text):
         return a, b
     return x.text, y.text
 

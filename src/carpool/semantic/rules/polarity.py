@@ -223,31 +223,43 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
 
 
 #: A reply's yes or no: a clause's first word but filler ("hmm", "well", "so", "thanks"...,
-#: four at most; the last of a run: "Ok, no, ..." is no), not the start of a phrase ("No
-#: problem, ...", "no one", "Yes or no: ..."); the first such clause's, whatever opens the
-#: text ("Good question. No, go ahead", "Right, no, ...", "Hi! No, ...": 0.98-0.995). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once more is the
-#: verifier's, which read past this one), and so did "Hmm, no, go ahead" / "Hmm, yes, ...".
-_REPLY = re.compile(
-    r"(?:^|(?<=[.,!?;:\n。？！，]))(?![.,!?;:\n。？！，])"  # (a clause's start, after its marks)
-    r"\W*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+){0,4}"
-    r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
-    r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or)\b)",
+#: eight at most; the last of a run: "Ok, no, ..." is no), not the start of a phrase ("No
+#: problem, ...", "no one", "Yes or no: ..."). The text's first clause may go on after it
+#: ("No go ahead"); a later clause's is a clause of its own ("Good question. No, go ahead";
+#: not "... No jargon."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once
+#: more is the verifier's, which read past it), and so did "Hmm, no, ..." / "Hmm, yes, ...",
+#: "Right, no, ..." / "Right, yes, ...", "Sure, one more thing. Yes, ..." / "... No, ...".
+_OPENER = r"[^\w.,!?;:\n。？！，]*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+){0,8}"
+_WORD_SAID = r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
+_NO_PHRASE = r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or)\b)"
+_FIRST_REPLY = re.compile(_OPENER + _WORD_SAID + _NO_PHRASE, re.I)
+_LATER_REPLY = re.compile(
+    r"(?<=[.,!?;:\n。？！，])(?![.,!?;:\n。？！，])"  # (a clause's start, after its marks)
+    + _OPENER
+    + _WORD_SAID
+    + r"(?=\s*+(?:(?:please|thanks|thank you)\b\s*+)?(?:[,.!;:?。？！，]|$))",
     re.I,
 )
-
 _NO = frozenset("no nope nah".split())
 
 
 @memo
-def _reply(text: str) -> str | None:
-    """The first clause's reply that says yes or no (the module's contract), or None."""
-    m = _REPLY.search(norm(text))
-    return None if m is None else "no" if m.group("word").lower() in _NO else "yes"
+def _replies(text: str) -> Counter[str]:
+    """How many clauses' replies say yes and how many no (the module's contract)."""
+    flat = norm(text)
+    first = _FIRST_REPLY.match(flat)
+    said = [m.group("word") for m in _LATER_REPLY.finditer(flat, first.end() if first else 0)]
+    if first is not None:
+        said.append(first.group("word"))
+    return Counter("no" if word.lower() in _NO else "yes" for word in said)
 
 
 def differs(a: str, b: str) -> bool:
-    if {_reply(a), _reply(b)} == {"yes", "no"}:
-        return True
+    ra, rb = _replies(a), _replies(b)
+    if (ra["no"] > rb["no"] and rb["yes"] > ra["yes"]) or (
+        rb["no"] > ra["no"] and ra["yes"] > rb["yes"]
+    ):
+        return True  # (a yes on one side where the other says no)
     (na, ea, la, wa), (nb, eb, lb, wb) = _read(a), _read(b)
     return na == nb and (
         ea != eb or _no_longer(la, lb, wb) or _no_longer(lb, la, wa) or _opposed(wa, wb)
