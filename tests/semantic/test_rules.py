@@ -930,6 +930,11 @@ def test_polarity_opposites_the_list_lacked_are_refused():
             "Sure, one more question. No, go ahead and delete the branch.",
         ),
         ("Hi. Hmm well so um oh ah no, go ahead.", "Hi. Hmm well so um oh ah yes, go ahead."),
+        # Clause by clause: each question answered otherwise, as many yeses and noes.
+        (
+            "Do I use Windows? Yes. Do I have admin rights? No. How do I install Python?",
+            "Do I use Windows? No. Do I have admin rights? Yes. How do I install Python?",
+        ),
     ):
         assert refused(a, b) == "polarity", (a, b)
 

@@ -75,4 +75,8 @@ def test_emoticons_differ_as_a_multiset_and_the_rule_is_last():
     # Of one kind but other words, when that is all they differ in (the model cannot count).
     assert RULE.differs("How many letters are in: thanks", "How many letters are in: thank you")
     assert RULE.differs("How many letters are in: please", "How many letters are in: pls")
+    assert RULE.differs(
+        "What does this mean: thanks. Please answer in French.",
+        "What does this mean: please. Thanks, answer in French.",
+    )
     assert not RULE.differs("How do I reset it please", "How do I reset it")  # (one side)

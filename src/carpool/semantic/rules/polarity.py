@@ -244,22 +244,30 @@ _NO = frozenset("no nope nah".split())
 
 
 @memo
-def _replies(text: str) -> Counter[str]:
-    """How many clauses' replies say yes and how many no (the module's contract)."""
+def _replies(text: str) -> tuple[str, ...]:
+    """What the clauses' replies say, yes or no, in order (the module's contract)."""
     flat = norm(text)
     first = _FIRST_REPLY.match(flat)
     said = [m.group("word") for m in _LATER_REPLY.finditer(flat, first.end() if first else 0)]
     if first is not None:
-        said.append(first.group("word"))
-    return Counter("no" if word.lower() in _NO else "yes" for word in said)
+        said.insert(0, first.group("word"))
+    return tuple("no" if word.lower() in _NO else "yes" for word in said)
+
+
+def _answered_otherwise(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """A yes on one side where the other says no: clause by clause when both reply as often
+    ("...? Yes. ...? No." / "...? No. ...? Yes." is another case), else in all."""
+    if len(a) == len(b):
+        return a != b
+    ca, cb = Counter(a), Counter(b)
+    return (ca["no"] > cb["no"] and cb["yes"] > ca["yes"]) or (
+        cb["no"] > ca["no"] and ca["yes"] > cb["yes"]
+    )
 
 
 def differs(a: str, b: str) -> bool:
-    ra, rb = _replies(a), _replies(b)
-    if (ra["no"] > rb["no"] and rb["yes"] > ra["yes"]) or (
-        rb["no"] > ra["no"] and ra["yes"] > rb["yes"]
-    ):
-        return True  # (a yes on one side where the other says no)
+    if _answered_otherwise(_replies(a), _replies(b)):
+        return True
     (na, ea, la, wa), (nb, eb, lb, wb) = _read(a), _read(b)
     return na == nb and (
         ea != eb or _no_longer(la, lb, wb) or _no_longer(lb, la, wa) or _opposed(wa, wb)

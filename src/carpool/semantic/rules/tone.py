@@ -90,8 +90,10 @@ def _differs(a: str, b: str) -> bool:
         return False  # (no filler on one side: nothing below; read in a pass of ~1 ms)
     # Filler on both sides, of other kinds: a word swapped for another, which the verifier
     # does not read ("Japanese for thanks?" / "...for please?" 0.996, "Is it rude to reply ok"
-    # / "...thanks"), even where it is what is asked about; of one kind but other words when
-    # that is all they differ in ("How many letters are in: thanks" / "...: thank you" 0.995).
+    # / "...thanks"), even where it is what is asked about; other words, or the same in other
+    # places, when that is all they differ in ("How many letters are in: thanks" / "...: thank
+    # you" 0.995; "What does this mean: thanks. Please answer..." / "...: please. Thanks,
+    # answer..." 0.989).
     x, y = reading(a), reading(b)
     if not (x.kinds and y.kinds):
         return False
@@ -167,7 +169,7 @@ class Reading(NamedTuple):
     text: str
     kinds: tuple[str, ...]  # the filler's kinds, sorted (thanks, please, laugh, pause, ok)
     repeats: int  # sentences said again at once
-    words: tuple[str, ...]  # the filler as said, lower case, sorted
+    words: tuple[str, ...]  # the filler as said, lower case, in order
 
 
 def _kind(filler: str) -> str:
@@ -205,7 +207,7 @@ def reading(text: str) -> Reading:
     if not any(ch.isalnum() for ch in plain):
         return Reading(text, (), 0, ())
     kinds = tuple(sorted(_kind(word) for word in fillers))
-    return Reading(plain, kinds, repeats, tuple(sorted(w.lower() for w in fillers)))
+    return Reading(plain, kinds, repeats, tuple(w.lower() for w in fillers))
 
 
 def as_read(text: str) -> str:
