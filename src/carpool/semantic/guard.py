@@ -19,9 +19,9 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
    a different number of times, "we approve" / "we do not approve"), at or above
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one verifier
    call (a model run a pair: each scores what it does alone), as :func:`read` gives them
-   (without the marks the packaged verifier misread: :mod:`.rules.tone`). A pair the verifier would not
-   read whole (``Verifier.unread``: longer than it reads) is refused with :attr:`Reason.LENGTH`
-   instead: it cannot vouch for what it did not read; nor can it for a difference it cannot
+   (without the marks the packaged verifier misread: :mod:`.rules.tone`). A pair the verifier
+   would not read whole (``Verifier.unread``: longer than it reads) is refused with
+   :attr:`Reason.LENGTH` instead: it cannot vouch for what it did not read; nor can it for a difference it cannot
    see (:func:`.retyping.unseen_difference`: case, accents, spacing, to an uncased model),
    refused with :attr:`Reason.MEANING` (:attr:`Reason.CONTEXT` in the earlier turns) unasked.
 

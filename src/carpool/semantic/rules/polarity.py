@@ -37,9 +37,10 @@ separate word ("safe" / "not safe") is the verifier's, which reads it (semantone
 negations: 0.1 % served). Counting negators here refused four in five true rewordings of the
 "not likely" / "unlikely" kind. The "no" of "no longer" and the "not" of "not ... anymore" are
 not counted: they are read with "still" and against each other. One "no" is read whatever
-the negators: a reply's yes or no, its first word but filler and a clause of its own, yes on
-one side ("yes", "yeah", "yep", "yup", "sure", "ok") and no on the other ("no", "nope",
-"nah"): "yes, go ahead" / "no, go ahead" was served (0.983); "No problem, ..." is no reply.
+the negators: each clause's reply, yes ("yes", "yeah", "yep", "yup", "sure", "ok") or no
+("no", "nope", "nah"), a yes on one side where the other says no (clause by clause when both
+reply as often): "yes, go ahead" / "no, go ahead" was served (0.983); "No problem, ..." is no
+reply (:data:`_FIRST_REPLY`, :data:`_LATER_REPLY`).
 """
 
 from __future__ import annotations
@@ -229,7 +230,10 @@ def _opposed(x: Counter[str], y: Counter[str]) -> bool:
 #: not "... No jargon."). "yes, go ahead" / "no, go ahead" scored 0.983 (a negator said once
 #: more is the verifier's, which read past it), and so did "Hmm, no, ..." / "Hmm, yes, ...",
 #: "Right, no, ..." / "Right, yes, ...", "Sure, one more thing. Yes, ..." / "... No, ...".
-_OPENER = r"[^\w.,!?;:\n。？！，]*+(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+){0,8}"
+_OPENER = (
+    r"[^\w.,!?;:\n。？！，]*+"  # (no mark: a run of them is read from its end, once)
+    r"(?:(?:hmm+|um+|uh+|well|so|oh|ah|thanks|thank you|please|lol|ok|okay)\b\W*+){0,8}"
+)
 _WORD_SAID = r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
 _NO_PHRASE = r"(?!\s*+(?:problems?|worr(?:y|ies)|one|way|doubt|matter|more|longer|less|or)\b)"
 _FIRST_REPLY = re.compile(_OPENER + _WORD_SAID + _NO_PHRASE, re.I)
