@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from carpool.semantic.rules import RULES
-from carpool.semantic.rules.tone import RULE, as_read, emoticons
+from carpool.semantic.rules.tone import RULE, emoticons, reading
 from carpool.semantic.verdict import Reason
 
 
@@ -54,7 +54,7 @@ def test_emoticons_are_read_as_eyes_and_mouth(text, found):
     ],
 )
 def test_the_verifier_reads_the_text_without_marks_it_misread(text, read):
-    assert as_read(text) == read
+    assert reading(text).text == read
 
 
 def test_emoticons_differ_as_a_multiset_and_the_rule_is_last():

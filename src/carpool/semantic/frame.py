@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from .rules.substitution import FUNCTION, _same_word
+from .rules.substitution import another_thing, one_changed
 from .rules.text import lower_words
 
 #: A clause with the marks after it: what a pair's shared edges are cut in.
@@ -65,10 +65,5 @@ def _same(u: str, v: str) -> bool:
 def _one_word_apart(a: str, b: str) -> bool:
     """The same words but one, a content word on both sides, not another form of one word."""
     x, y = lower_words(a), lower_words(b)
-    if len(x) != len(y):
-        return False
-    changed = [(u, v) for u, v in zip(x, y, strict=True) if u != v]
-    if len(changed) != 1:
-        return False
-    (u, v) = changed[0]
-    return u.isalpha() and v.isalpha() and FUNCTION.isdisjoint((u, v)) and not _same_word(u, v)
+    i = one_changed(x, y)
+    return i is not None and another_thing(x[i], y[i])

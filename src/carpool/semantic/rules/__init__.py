@@ -38,7 +38,7 @@ refuses, ahead of the model, what the model reads badly:
   "too hot" / "hot enough", "as a table" / "as a bulleted list"); its lists are in
   :mod:`.qualifier_words`;
 - :mod:`.tone`: emoticons (":)" / ":("); it also gives the text the verifier reads
-  (:func:`.tone.as_read`: without emoticons and chat filler, a run of "!" or "?" as one mark),
+  (:func:`.tone.reading`: without emoticons and chat filler, a run of "!" or "?" as one mark),
   which the packaged one misread ("Explain machine learning!" / "Explain quantum computing!").
 
 :data:`RULES` is their order in the guard: the first that fires names the reason.

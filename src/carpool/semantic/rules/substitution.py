@@ -80,25 +80,36 @@ def _one_edit(short: str, long: str, i: int) -> bool:
     return len(long) == len(short) + 1 and short[i:] == long[i + 1 :]
 
 
-@memo
-def _substituted(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+def one_changed(a: tuple[str, ...], b: tuple[str, ...]) -> int | None:
+    """Where two texts' words differ, when they are the same words but one; else None."""
     if len(a) != len(b):
-        return False
+        return None
     changed = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    if len(changed) != 1:
-        return False
-    (i,) = changed
-    x, y = a[i], b[i]
-    if frozenset({x, y}) in PERSONS:  # "my essay" / "your essay": whose, before a content word
-        return i + 1 < len(a) and a[i + 1].isalpha() and a[i + 1] not in FUNCTION
+    return changed[0] if len(changed) == 1 else None
+
+
+def another_thing(x: str, y: str) -> bool:
+    """Whether ``y`` in place of ``x`` names another thing: a content word on both sides, not
+    another form or spelling of one word."""
     return (
         x.isalpha()
         and y.isalpha()
         and x not in FUNCTION
         and y not in FUNCTION
         and not _same_word(x, y)
-        and any(w in DETERMINERS for w in a[max(0, i - REACH) : i])  # (the same words in b)
     )
+
+
+@memo
+def _substituted(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    i = one_changed(a, b)
+    if i is None:
+        return False
+    x, y = a[i], b[i]
+    if frozenset({x, y}) in PERSONS:  # "my essay" / "your essay": whose, before a content word
+        return i + 1 < len(a) and a[i + 1].isalpha() and a[i + 1] not in FUNCTION
+    # (The words before it, within REACH, are the same in b.)
+    return another_thing(x, y) and any(w in DETERMINERS for w in a[max(0, i - REACH) : i])
 
 
 def differs(a: str, b: str) -> bool:

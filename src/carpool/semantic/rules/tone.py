@@ -210,9 +210,4 @@ def reading(text: str) -> Reading:
     return Reading(plain, kinds, repeats, tuple(w.lower() for w in fillers))
 
 
-def as_read(text: str) -> str:
-    """``text`` as the verifier may be given it (:func:`reading`)."""
-    return reading(text)[0]
-
-
 RULE = Rule(Reason.TONE, _differs)
