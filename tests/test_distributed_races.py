@@ -11,10 +11,8 @@ from typing import Any
 
 import pytest
 
-from conftest import run_gateway
-from fakes.latency_proxy import LinkProxy
 from fakes.waiting import WAIT_S, eventually
-from test_distributed import gateways, shared_flights_on
+from test_distributed import gateways, shared_flights_on, stalled_and_steady
 
 pytest.importorskip("redis")
 
@@ -149,46 +147,36 @@ async def test_a_leader_whose_link_stalls_once_renews_its_lease_again_and_keeps_
     one call's whole answer. (Before, one failed renewal stopped publishing and renewing for
     good: the lease ran out under a healthy call, B's streaming client got an error event and
     its plain client a second upstream call.)"""
-    proxy = await LinkProxy(redis_server.host, redis_server.port).start()
     # (A renewal's timeout is the subject for A, so it is short next to the lease, not so short
     # that a claim on two loaded cores times out: A would go alone, B never relay. B's link is
     # not the subject: its timeout is as long as the test's waits.)
-    lease = {"retry_interval": 0.05, "lease_ms": 12_000}
-    a_link = {**lease, "timeout": 2.0, "connect_timeout": 2.0}
-    b_link = {**lease, "timeout": WAIT_S, "connect_timeout": WAIT_S}
-    try:
-        async with (
-            run_gateway([fake.url], redis=proxy.url, distributed=a_link) as a,
-            run_gateway([fake.url], redis=redis_server.url, distributed=b_link) as b,
-        ):
-            fake.chunk_gate = asyncio.Event()
-            leader = asyncio.create_task(a.stream_chat("q"))
-            await fake.chunk_gate_reached.wait()
-            streaming = asyncio.create_task(b.stream_chat("q"))
-            plain = asyncio.create_task(b.chat("q"))
-            relayed = b.gateway.shared_flights.counts
-            await eventually(lambda: relayed["frames_relayed"] >= 2, what="B relaying A's call")
-            (publisher,) = a.gateway.shared_flights._publishers
-            failures = a.gateway.shared_flights.counts
-            proxy.hold()
-            await eventually(lambda: failures["errors"] >= 1, what="a renewal that timed out")
-            # (The held renewal, sent before the hold, reaches Redis on the release all the
-            # same: only a renewal A sends after the release shows it renews again.)
-            released_at = asyncio.get_running_loop().time()
-            proxy.release()
-            await eventually(
-                lambda: publisher.renewed_at > released_at,
-                what="A renewing its lease once its link is back",
-            )
-            fake.chunk_gate.set()
-            (_, led), (_, followed), answer = await leader, await streaming, await plain
-            assert followed.rstrip().endswith("data: [DONE]") and '"error"' not in followed
-            assert led.rstrip().endswith("data: [DONE]")
-            assert answer.status_code == 200 and answer.headers["x-carpool"] == "coalesced"
-            assert fake.count() == 1
-            assert relayed["broken"] == 0 and relayed["takeovers"] == 0
-    finally:
-        await proxy.aclose()
+    async with stalled_and_steady(fake, redis_server, lease_ms=12_000) as (a, b, proxy):
+        fake.chunk_gate = asyncio.Event()
+        leader = asyncio.create_task(a.stream_chat("q"))
+        await fake.chunk_gate_reached.wait()
+        streaming = asyncio.create_task(b.stream_chat("q"))
+        plain = asyncio.create_task(b.chat("q"))
+        relayed = b.gateway.shared_flights.counts
+        await eventually(lambda: relayed["frames_relayed"] >= 2, what="B relaying A's call")
+        (publisher,) = a.gateway.shared_flights._publishers
+        failures = a.gateway.shared_flights.counts
+        proxy.hold()
+        await eventually(lambda: failures["errors"] >= 1, what="a renewal that timed out")
+        # (The held renewal, sent before the hold, reaches Redis on the release all the
+        # same: only a renewal A sends after the release shows it renews again.)
+        released_at = asyncio.get_running_loop().time()
+        proxy.release()
+        await eventually(
+            lambda: publisher.renewed_at > released_at,
+            what="A renewing its lease once its link is back",
+        )
+        fake.chunk_gate.set()
+        (_, led), (_, followed), answer = await leader, await streaming, await plain
+        assert followed.rstrip().endswith("data: [DONE]") and '"error"' not in followed
+        assert led.rstrip().endswith("data: [DONE]")
+        assert answer.status_code == 200 and answer.headers["x-carpool"] == "coalesced"
+        assert fake.count() == 1
+        assert relayed["broken"] == 0 and relayed["takeovers"] == 0
 
 
 async def test_frames_whose_publishing_failed_are_published_again(redis_server: Any) -> None:
