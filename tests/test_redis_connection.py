@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("redis")
 
 from carpool.redis.connection import (  # noqa: E402
+    ANSWERED,
     PoolExhausted,
     close_client,
     connect,
@@ -24,7 +25,7 @@ from carpool.redis.idempotency import RedisIdempotencyRecords  # noqa: E402
 from carpool.redis.store import RedisStore  # noqa: E402
 from carpool.store.base import StoreUnavailable  # noqa: E402
 from carpool.store.memory import MemoryStore  # noqa: E402
-from carpool.store.shared import SharedStore  # noqa: E402
+from carpool.store.shared import _ANSWERED, SharedStore  # noqa: E402
 from fakes.waiting import WAIT_S, cancelled_after, eventually  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "carpool"
@@ -44,6 +45,14 @@ def test_the_client_library_is_imported_by_the_redis_package_only():
             if any(n == "redis" or n.startswith("redis.") for n in names):
                 importers.add(path.relative_to(SOURCE).parts[0])
     assert importers == {"redis"}
+
+
+def test_the_failures_a_layer_counts_apart_are_those_the_health_counts():
+    # Two lists of one set (the connection module cannot import the health's: a cycle): a
+    # failure the health counts apart that a layer counted as a Redis error too (or the other
+    # way) would say Redis failed when it answered.
+    assert all(issubclass(kind, ANSWERED) for kind in _ANSWERED)
+    assert all(kind in _ANSWERED for kind in ANSWERED)
 
 
 @pytest.mark.parametrize(
