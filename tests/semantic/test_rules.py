@@ -944,6 +944,16 @@ def test_operators_a_factorial_is_no_exclamation():
     assert refused("Is 3!! the same as 3!", "Is 3! the same as 3") == "operator"
 
 
+def test_operators_marks_standing_alone_are_what_is_asked_about():
+    # After a word "!!" and "??" end a sentence; alone they are operators ("!!" casts to a
+    # boolean, "??" coalesces): "What does !!" / "What does ??" scored 0.995.
+    assert refused("What does !!", "What does ??") == "operator"
+    assert refused("Meaning of !!!", "Meaning of ???") == "operator"
+    assert refused("Why write a ?? b", "Why write a || b") == "operator"
+    assert passes(operators.RULE, "What is it??", "What is it?")
+    assert passes(operators.RULE, "Really!!", "Really?")
+
+
 def test_polarity_a_yes_or_no_that_is_no_reply_is_read_as_any_word():
     # "No problem" / "Sure" are the same reply; "Yes or no:" asks for one.
     for a, b in (

@@ -374,6 +374,13 @@ MISREAD_MARKS = {
         "Explain quantum computing? Explain quantum computing?",
     ),
     "sad-for-happy": ("I just got the job :)", "I just got the job :("),
+    "trailing-ellipsis": ("How do I bake bread...", "How do I bake cake..."),
+    "ellipsis-after-mark": ("How do I bake bread?...", "How do I bake cake?..."),
+    "marks-apart": ("How do I bake bread !!!", "How do I bake cake !!!"),
+    "marks-and-a-one": ("How do I bake bread!!1", "How do I bake cake!!1"),
+    "face-attached": ("How do I bake bread^_^", "How do I bake cake^_^"),
+    "face-reversed": ("How do I bake bread (:", "How do I bake cake (:"),
+    "operator-asked-about": ("What does !!", "What does ??"),
 }
 
 

@@ -20,6 +20,7 @@ from carpool.semantic.verdict import Reason
         # Not emoticons: a ratio, a time, a colon before a bracket, a URL, a list item.
         ("Is 3:3) a typo? Note:(a) at 8:00 on http://x.org", {}),
         ("Steps: 8) cool", {}),
+        ("bread^_^ and yay (: \\o/", {"^_^": 1, "(:": 1, "\\o/": 1}),
     ],
 )
 def test_emoticons_are_read_as_eyes_and_mouth(text, found):
@@ -38,6 +39,18 @@ def test_emoticons_are_read_as_eyes_and_mouth(text, found):
         ("haha so :)", "so"),
         ("def f():\n    return 1  # :)", "def f():\n    return 1  #"),
         ("Why is it followed by ...?", "Why is it followed by ...?"),  # (an ellipsis stays)
+        # An ellipsis after a word is a sentence's end.
+        ("How do I bake bread...", "How do I bake bread."),
+        ("How do I bake bread…", "How do I bake bread."),
+        ("Why?... Really!..", "Why? Really."),
+        ("I wonder... why", "I wonder. why"),
+        ("Use a..b or x.y", "Use a..b or x.y"),  # (no mark: a range, a member)
+        ("Is it the U.S.?", "Is it the U.S.?"),  # (an abbreviation's full stop stays)
+        # Marks apart from the word at the text's end, "!!1" after "!!".
+        ("How do I bake bread !!!", "How do I bake bread."),
+        ("How do I bake bread ?!", "How do I bake bread?"),
+        ("How do I bake bread!!1", "How do I bake bread."),
+        ("What does !! do", "What does !! do"),  # (inside: what is asked about)
         ("( If any )", "( If any )"),  # (brackets stay)
         ("lol", "lol"),  # (nothing would be left: as sent)
         ("continue, thank you", "continue"),

@@ -33,6 +33,7 @@ from .text import memo, norm
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
     r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])"
+    r"|(?<!\S)\?{2,}+(?!\S)"  # ("??" standing alone; after a word it ends a sentence)
 )
 _CANONICAL = {"≠": "!=", "≤": "<=", "≥": ">="}
 #: "over", "under", "above", "below" compare only before an amount ("under $300", not "under the
@@ -74,8 +75,12 @@ _CODE_WORDS = re.compile(
 _GROUP = re.compile(r"\([^()]*\)")
 #: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
 #: (A run of "!" read from its start, whole: "!" * 4,095 + "x" was tried from each, 0.44 s.
-#: After a digit it is a factorial: "How big is 52!" / "How big is 52?" was served, 0.988.)
-_PROSE = re.compile(r"(?<![!\d])!++(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])")
+#: After a digit it is a factorial: "How big is 52!" / "How big is 52?" was served, 0.988.
+#: Two or more standing alone are what is asked about: "What does !!" / "What does ??" was
+#: served, 0.995; one alone is prose: "Bonjour !")
+_PROSE = re.compile(
+    r"(?<=[^!\d\s])!++(?=\s|$)|(?<!\S)!(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])"
+)
 
 
 @memo

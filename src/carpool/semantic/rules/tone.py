@@ -18,11 +18,12 @@ computing :)" 0.993 (0.119 without), "How do I bake bread!" / "How do I bake cak
   "ok") and politeness ("please", "thanks", "thank you (so much) (in advance)") at a clause's
   start or end (inside one, the word is what is asked about: "Is it rude to say lol in a
   work email?"); a sentence said twice in a row, word for word (line breaks and indents
-  kept). A run of "!" and "?" after a letter is read as one mark ("?" if it holds one, else
-  "."). An ellipsis and brackets stay ("( If any )" read without its brackets was served
-  for another question). What the rules read is the text as sent; only the model's view is
-  plainer, as the texts it learned from were. Linear in the text, as every rule (possessive
-  repeats, no pattern tried again shorter: a first version took 6.7 s on "!" * 1,024 + "x").
+  kept). A run of "!", "?" and "." (an ellipsis) after a letter is read as one mark ("?" if
+  it holds one, else "."). An ellipsis after no word and brackets stay ("( If any )" read
+  without its brackets was served for another question). What the rules read is the text as
+  sent; only the model's view is plainer, as the texts it learned from were. Linear in the
+  text, as every rule (possessive repeats, no pattern tried again shorter: a first version
+  took 6.7 s on "!" * 1,024 + "x").
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .text import memo
 #: ``:(``. Possessive repeats: a long run of mouths is read once, never tried again shorter.)
 _EMOTICON = re.compile(
     r"(?:(?<![\d:;=])(?P<eyes>[:;=])[\^-]?(?P<mouth>[()\[\]DPpOo3|/\\*@])(?P=mouth)*+"
-    r"|(?<!\w)(?P<other>[xX]D++|<3++|\^_*+\^|-_++-|[oO]_[oO]))(?=\s|$|[.,!?])"
+    r"|(?P<other>(?<!\w)(?:[xX]D++|<3++|-_++-|[oO]_[oO]|\\o/)|(?<!\S)[()]:|\^_*+\^))(?=\s|$|[.,!?])"
 )
 #: Chat filler and politeness the verifier reads as meaning: shared around two short replies
 #: they hid what the replies said ("yes please" / "no thanks" 0.996, "yes" / "no" 0.125;
@@ -61,9 +62,13 @@ _WORD = re.compile(r"\S+")
 #: What the verifier is not given: an emoticon with the one space or tab before it (no other
 #: spacing moves: a line's indentation is code's meaning, ``retyping``).
 _FACES = re.compile(r"(?:[ \t])?(?:" + _EMOTICON.pattern + ")")
-#: A run of exclamation and question marks after a letter (never ``!=``, "what does !! do", a
-#: factorial: "52!").
-_MARKS = re.compile(r"(?<=[^\W\d_])[!?！？]++(?=\s|$|[\"')\]])")
+#: A run of exclamation and question marks, or an ellipsis, after a letter (never ``!=``,
+#: "what does !! do", a factorial: "52!", a range: "a..b"; nor a full stop before a mark:
+#: "U.S.?"): "How do I bake bread..." / "...cake..." scored 0.993, 0.718 with a full stop.
+_MARKS = re.compile(
+    r"(?<=[^\W\d_])(?:[ \t]++(?=[!?！？]++[ \t]*+$))?"  # (apart from the word at the end)
+    r"(?:\.{2,}+|[!?！？…])[!?！？.…]*+(?:(?<=!)1++)?(?=\s|$|[\"')\]])"  # ("!!1" too)
+)
 #: Where a text's sentences end (the white space after, kept): one said again at once is read
 #: once ("Q? Q?" is "Q?": pasted twice, unrelated questions scored 0.76 on average, "Explain
 #: machine learning?" twice / "Explain quantum computing?" twice 0.982).
