@@ -290,6 +290,22 @@ async def test_a_responses_input_with_a_function_call_keeps_the_whole_request_ex
     assert again.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+async def test_a_responses_requests_earlier_input_items_are_matched_exactly(sgw, fake):
+    # (As the docs say: chat's and Messages' earlier turns are compared by meaning, Responses'
+    # stay in the scope: a greeting before the question is another request there.)
+    async def ask(*items):
+        body = {"model": "m", "temperature": 0, "store": False, "input": list(items)}
+        return await sgw.client.post("/v1/responses", json=body)
+
+    question = {"role": "user", "content": "What is the capital of Australia?"}
+    await ask(*HELLO, question)
+    await eventually(lambda: sgw.gateway.semantic.entries == 1)
+    again = await ask(*HELLO, {"role": "user", "content": "what is the capital of australia"})
+    assert again.headers["x-carpool"] == "semantic-hit"
+    bare = await ask(question)
+    assert bare.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 #: ~200 tokens of pasted mail in an earlier turn: more than the verifier reads of a pair.
 EMAIL = (
     "Dear team, thank you all for your hard work this quarter. We have made great progress on "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.semantic.frame import core
+from carpool.semantic.frame import core, turns
+from carpool.semantic.verifier import render_context
 
 
 @pytest.mark.parametrize(
@@ -83,3 +84,30 @@ def test_the_core_is_the_same_whichever_side_is_asked(a, b):
     that was not symmetric, the answer to "...purr?" served for "...hiss?" one way round.)"""
     swapped = core(b, a)
     assert core(a, b) == (None if swapped is None else swapped[::-1])
+
+
+def _context(*turns: tuple[str, str]) -> str:
+    return render_context([{"role": role, "content": content} for role, content in turns])
+
+
+def test_aligned_turns_are_read_one_differing_turn_at_a_time():
+    a = _context(("user", "I ordered shoes.\nThey do not fit."), ("assistant", "It is safe."))
+    b = _context(("user", "I ordered shoes.\nThey do not fit."), ("assistant", "It is not safe."))
+    assert turns(a, b) == [("assistant: It is safe.", "assistant: It is not safe.")]
+    assert turns(b, a) == [("assistant: It is not safe.", "assistant: It is safe.")]
+    c = _context(("user", "I ordered boots.\nThey do not fit."), ("assistant", "It is not safe."))
+    assert turns(a, c) == [
+        (
+            "user: I ordered shoes.\n  They do not fit.",
+            "user: I ordered boots.\n  They do not fit.",
+        ),
+        ("assistant: It is safe.", "assistant: It is not safe."),
+    ]
+
+
+def test_turns_that_do_not_align_are_read_whole():
+    a = _context(("user", "Hi."), ("assistant", "It is safe."))
+    more = _context(("user", "Hi."), ("assistant", "It is safe."), ("user", "And?"))
+    swapped = _context(("assistant", "Hi."), ("user", "It is safe."))
+    assert turns(a, more) == [(a, more)]
+    assert turns(a, swapped) == [(a, swapped)]

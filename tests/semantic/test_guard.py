@@ -665,6 +665,45 @@ def test_a_near_repeat_with_a_negator_added_gets_the_full_bar(guard):
     assert retyped[0].ok
 
 
+REFUND = (
+    "Hi, I ordered a pair of running shoes from your online store about two weeks ago and asked"
+    " for a refund after they arrived in the wrong size. Can you tell me the status of the"
+    " refund please?"
+)
+
+
+@pytest.mark.parametrize(
+    "said, other",
+    [
+        (
+            "Good news: we have approved your refund.",
+            "Unfortunately we have not approved your refund.",
+        ),
+        ("Good news: your refund has been approved.", "Sorry: your refund has not been approved."),
+        ("In short, it is safe to combine them.", "In short, it is not safe to combine them."),
+        ("Good news: there is a known interaction.", "Good news: there is no known interaction."),
+        ("We did not find some of the items.", "We did not find any of the items."),
+        ("We cancel the order.", "We canceled the order."),
+    ],
+)
+def test_an_earlier_turn_that_says_another_thing_is_refused_beside_a_long_shared_turn(
+    guard, said, other
+):
+    # Read as one text, the long turn drowned what the other changed (0.985-0.992, served).
+    from carpool.semantic.verifier import render_context
+
+    def context(answer: str) -> str:
+        return render_context(
+            [{"role": "user", "content": REFUND}, {"role": "assistant", "content": answer}]
+        )
+
+    for a, b in ((said, other), (other, said)):
+        (v,) = guard.judge_now(
+            Side("What happens now?", context(a)), [Side("What happens now?", context(b))], [1.0]
+        )
+        assert not v.ok and v.reason == Reason.CONTEXT, (a, b, v)
+
+
 class FixedScore:
     """A verifier that scores every pair the same (``score``) and reads every pair whole: what
     the guard makes of a score, whatever the model would say."""
@@ -709,11 +748,24 @@ def test_earlier_turns_get_the_near_repeat_bar_only_when_close_whatever_the_text
     for a, b in (close, close[::-1], far, far[::-1]):
         verifier.asked.clear()
         (v,) = guard.judge_now(Side(text, a), [Side(text, b)], [0.99])
-        assert verifier.asked == [(a, b)]  # (the contexts only: scored between the bars)
+        # (The turn that differs only, alone: scored between the bars.)
+        assert verifier.asked == [(a.split("\n")[0], b.split("\n")[0])]
         if (a, b) in (close, close[::-1]):
             assert v.ok, v
         else:
             assert not v.ok and v.reason == Reason.CONTEXT, v
+
+
+def test_earlier_turns_that_say_a_negator_another_number_of_times_are_never_asked_about():
+    # Where the turns do not align they are read whole, and a long turn drowned a "not".
+    verifier = FixedScore(1.0, 0.9)
+    guard = RulesThenVerifier(verifier, rules=())
+    said = f"user: {REFUND}\nassistant: We have approved it."
+    other = f"user: {REFUND}\nassistant: We have not approved it.\nuser: OK.\nassistant: OK."
+    for a, b in ((said, other), (other, said)):
+        verifier.asked.clear()
+        (v,) = guard.judge_now(Side("What now?", a), [Side("What now?", b)], [1.0])
+        assert not v.ok and v.reason == Reason.CONTEXT and verifier.asked == [], v
 
 
 @pytest.mark.parametrize(

@@ -749,6 +749,28 @@ async def test_a_conversation_whose_earlier_turns_ask_the_opposite_is_never_serv
     assert sgw.gateway.semantic.rejections == {"polarity": 1}
 
 
+#: A long shared first turn, then the assistant saying one thing or its opposite: the earlier
+#: turns read as one text, the long turn drowned the "not" (0.985-0.991, served); the turn
+#: that differs, read alone, scored 0.02-0.03.
+MEDICATIONS = (
+    "I'm 62, I take metformin for type 2 diabetes and lisinopril for blood pressure, and my"
+    " doctor wants me to start a new medication for my cholesterol next week. Is there anything"
+    " I should check first?"
+)
+
+
+async def test_a_conversation_whose_earlier_answer_said_the_opposite_is_never_served(sgw, fake):
+    def history(said: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": MEDICATIONS}, {"role": "assistant", "content": said}]
+
+    await ask(sgw, "So what should I do?", history=history("In short, it is safe to combine them."))
+    await stored(sgw)
+    response = await ask(
+        sgw, "So what should I do?", history=history("In short, it is not safe to combine them.")
+    )
+    assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 async def test_a_changed_number_is_never_served(sgw, fake):
     await ask(sgw, "What is the baggage allowance for 2 passengers?")
     await stored(sgw)

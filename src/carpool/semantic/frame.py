@@ -15,6 +15,12 @@ longer rewording read without its context lost it ("My girlfrien just left me...
 clause scored 0.79): only a one-word difference is read bare. Measured on the held-out
 development pairs: no decision changed (always scoring the core lost 7 true rewordings).
 Linear in the texts.
+
+``turns(a, b)``: two conversations' earlier turns (``verifier.render_context``) as the pairs the
+verifier reads: each turn that differs, alone, where both hold as many turns of the same roles
+in order; the two whole else. Read whole, a long shared turn drowned a one-word change in
+another ("it is safe to combine them" / "it is not safe...", "did not find some" / "...any"
+after a 40-word request: 0.985-0.992, served; 0.02-0.06 alone).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from .rules.text import lower_words
 #: A clause with the marks after it: what a pair's shared edges are cut in.
 _SEGMENT = re.compile(r"[^,.?!;:\n]+[,.?!;:\n]*|[,.?!;:\n]+")
 _QUESTION = frozenset("how what why where when which who whom whose".split())
+#: Where a rendered context's turns begin (a turn's own line breaks are indented).
+_TURN = re.compile(r"\n(?! )")
 
 
 def core(a: str, b: str) -> tuple[str, str] | None:
@@ -67,3 +75,14 @@ def _one_word_apart(a: str, b: str) -> bool:
     x, y = lower_words(a), lower_words(b)
     i = one_changed(x, y)
     return i is not None and another_thing(x[i], y[i])
+
+
+def turns(a: str, b: str) -> list[tuple[str, str]]:
+    """Two contexts' pairs for the verifier (the module's contract)."""
+    x, y = _TURN.split(a), _TURN.split(b)
+    if len(x) != len(y):
+        return [(a, b)]
+    pairs = list(zip(x, y, strict=True))
+    if any(u.partition(":")[0] != v.partition(":")[0] for u, v in pairs):  # (the roles)
+        return [(a, b)]
+    return [(u, v) for u, v in pairs if u != v]

@@ -20,9 +20,9 @@ The guard decides each candidate pair (new request, cached entry) in two steps:
    :data:`NEAR_REPEAT_SCORE`. All surviving candidates of one lookup are scored in one verifier
    call (a model run a pair: each scores what it does alone), as :func:`read` gives them
    (without the marks the packaged verifier misread: :mod:`.rules.tone`). A pair the verifier
-   would not read whole (``Verifier.unread``: longer than it reads) is refused with
-   :attr:`Reason.LENGTH` instead: it cannot vouch for what it did not read; nor can it for a difference it cannot
-   see (:func:`.retyping.unseen_difference`: case, accents, spacing, to an uncased model),
+   would not read whole (``Verifier.unread``) is refused with :attr:`Reason.LENGTH`: it cannot
+   vouch for what it did not read; nor for a difference it cannot see
+   (:func:`.retyping.unseen_difference`: case, accents, spacing, to an uncased model),
    refused with :attr:`Reason.MEANING` (:attr:`Reason.CONTEXT` in the earlier turns) unasked.
 
 Contract
@@ -31,19 +31,20 @@ Contract
 similarities=None) -> list[Verdict]``, one per candidate, in order, for :class:`Side` values
 (``similarities``: each candidate's cosine similarity to ``new``, for the near-repeat bar; a
 context pair gets that bar when its words are :func:`close`: only function words, case or a
-word's form changed; a text pair never when its negators differ in number). :class:`RulesThenVerifier`
-(``verifier, rules=RULES, threshold=None``) is the one carpool builds; it also splits a judgement
-into ``scored`` (the rules and the model, once) and ``decide`` (the thresholds), so that an
-evaluation can sweep the threshold without asking the model again. A side is a text (the last user turn, or the
-prompt) and its ``context`` (a conversation's earlier turns, ``verifier.render_context``; ""
-for a single turn). Both the texts and the contexts must pass the rules and the verifier; a
-text that is the same on both sides up to the case of plain words, sentence marks, quotes and
-brackets at a word's edges, and spacing (:func:`.retyping.retyped`: never a symbol, an emoji, an
-acronym's case or a line's indentation), or a context that is identical, is not asked about;
-contexts refused by the verifier give :attr:`Reason.CONTEXT`, and so do earlier turns on one
-side only (never asked: the verifier scored an instruction against none 0.99). ``judge_now``
-is the same, synchronous (offline evaluation). Symmetric: swapping ``new`` and a candidate
-gives the same verdict.
+word's form changed; a text pair never when its negators differ in number).
+:class:`RulesThenVerifier` (``verifier, rules=RULES, threshold=None``) is the one carpool
+builds; it also splits a judgement into ``scored`` (the rules and the model, once) and
+``decide`` (the thresholds), so that an evaluation can sweep the threshold without asking the
+model again. A side is a text (the last user turn, or the prompt) and its ``context`` (a
+conversation's earlier turns, ``verifier.render_context``; "" for a single turn). Both the
+texts and the contexts must pass the rules and the verifier (the contexts turn by turn where
+their turns align, ``frame.turns``, and saying as many negators); a text the same on both sides
+up to the case of plain words, sentence marks, quotes and brackets at a word's edges, and
+spacing (:func:`.retyping.retyped`: never a symbol, an emoji, an acronym's case or a line's
+indentation), or a context that is identical, is not asked about; contexts refused by the
+verifier give :attr:`Reason.CONTEXT`, and so do earlier turns on one side only (never asked:
+the verifier scored an instruction against none 0.99). ``judge_now`` is the same, synchronous
+(offline evaluation). Symmetric: swapping ``new`` and a candidate gives the same verdict.
 
 The verifier is passed in, never imported here: the cache does not know which model it is.
 """
@@ -55,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .frame import turns
 from .retyping import close, retyped, unseen_difference
 from .rules import RULES
 from .rules.polarity import negators
@@ -134,14 +136,18 @@ class Guard(Protocol):
     ) -> list[Verdict]: ...
 
 
+#: A candidate's pairs: its text pair's index among those scored (-1: not asked, retyped or
+#: identical) and its context pairs' (``frame.turns``; none where identical).
+Slot = tuple[int, tuple[int, ...]]
+
+
 @dataclass(frozen=True, slots=True)
 class Scored:
     """What the model said of one ``(new, candidates)`` lookup, before any threshold."""
 
     refused: list[Verdict | None]  # a rule's verdict, or None: the verifier decides
-    slots: list[tuple[int, int]]  # per candidate: its text and context pair in
-    # ``scores``, -1 where not asked (retyped, identical)
-    close_contexts: list[bool]  # per candidate: its context pair is ``close``
+    slots: list[Slot]  # per candidate
+    close_contexts: list[tuple[bool, ...]]  # per candidate: each context pair is ``close``
     scores: list[float]
     # per candidate: its texts say a negator ("not", "no"...) a different number of times
     negation_differs: list[bool]
@@ -162,13 +168,12 @@ class RulesThenVerifier:
         self,
         new: Side,
         candidates: Sequence[Side],
-    ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]]]:
-        """Rule verdicts (None: ask the verifier), the pairs to score, and for each candidate the
-        indexes of its text and context pairs among them (-1: retyped or identical, not asked).
-        A candidate with a pair the verifier would not read whole is refused
-        (:attr:`Reason.LENGTH`): what the model did not read, it cannot vouch for."""
+    ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[Slot]]:
+        """Rule verdicts (None: ask the verifier), the pairs to score, and per candidate its pairs'
+        indexes among them (``Scored.slots``). A candidate with a pair the verifier would not
+        read whole is refused (:attr:`Reason.LENGTH`): what it did not read, it cannot vouch for."""
         verdicts: list[Verdict | None] = []
-        asked: list[tuple[tuple[str, str] | None, tuple[str, str] | None]] = []
+        asked: list[list[tuple[str, str] | None]] = []  # (the text pair, then the contexts')
         for cached in candidates:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
@@ -178,46 +183,49 @@ class RulesThenVerifier:
                 # instruction ("reply only with yes or no") against none. The verifier, asked
                 # about a text against nothing, scored that 0.99.
                 reason = Reason.CONTEXT
+            elif reason is None and negators(new.context) != negators(cached.context):
+                reason = Reason.CONTEXT  # (read whole, a long turn drowned a "not": frame)
             verdicts.append(None if reason is None else Verdict.refused(reason))
             if reason is not None:
-                asked.append((None, None))
+                asked.append([None])
                 continue
             text = None if retyped(new.text, cached.text) else read(new.text, cached.text)
             # Exact: retyping may move a turn's boundary.
             same = new.context == cached.context
-            asked.append((text, None if same else read(new.context, cached.context)))
+            contexts = [] if same else [read(*p) for p in turns(new.context, cached.context)]
+            asked.append([text, *contexts])
         cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
         pairs: list[tuple[str, str]] = []
-        slots: list[tuple[int, int]] = []
-        for i, both in enumerate(asked):
-            if any([next(cut) for p in both if p is not None]):
+        slots: list[Slot] = []
+        for i, all_pairs in enumerate(asked):
+            if any([next(cut) for p in all_pairs if p is not None]):
                 verdicts[i] = Verdict.refused(Reason.LENGTH)
-                slots.append((-1, -1))
+                slots.append((-1, ()))
                 continue
             # (After the length check: only pairs the model reads whole, 256 tokens, are aligned.)
-            blind = [p is not None and unseen_difference(*p) for p in both]
+            blind = [p is not None and unseen_difference(*p) for p in all_pairs]
             if any(blind):
                 verdicts[i] = Verdict.refused(Reason.MEANING if blind[0] else Reason.CONTEXT)
-                slots.append((-1, -1))
+                slots.append((-1, ()))
                 continue
-            slot = [-1, -1]
-            for k, pair in enumerate(both):
+            at = [-1] * len(all_pairs)
+            for k, pair in enumerate(all_pairs):
                 if pair is not None:
-                    slot[k] = len(pairs)
+                    at[k] = len(pairs)
                     pairs.append(pair)
-            slots.append((slot[0], slot[1]))
+            slots.append((at[0], tuple(at[1:])))
         return verdicts, pairs, slots
 
     def _prepared(
         self, new: Side, candidates: Sequence[Side]
     ) -> tuple[
-        list[Verdict | None], list[tuple[str, str]], list[tuple[int, int]], list[bool], list[bool]
+        list[Verdict | None], list[tuple[str, str]], list[Slot], list[tuple[bool, ...]], list[bool]
     ]:
-        """``_plan``, and per candidate whether its context pair is ``close`` and whether its
-        texts say a negator a different number of times (asked texts only: the rules read
-        them)."""
+        """``_plan``, and per candidate whether each of its context pairs is ``close`` and
+        whether its texts say a negator a different number of times (asked texts only: the
+        rules read them)."""
         refused, pairs, slots = self._plan(new, candidates)
-        close_contexts = [c >= 0 and close(*pairs[c]) for _, c in slots]
+        close_contexts = [tuple(close(*pairs[c]) for c in cs) for _, cs in slots]
         negation_differs = [
             t >= 0 and negators(pairs[t][0]) != negators(pairs[t][1]) for t, _ in slots
         ]
@@ -248,7 +256,7 @@ class RulesThenVerifier:
         bar = self.threshold if threshold is None else threshold
         near_repeat_bar = min(bar, NEAR_REPEAT_SCORE)
         out = []
-        for i, (verdict, (text, context)) in enumerate(
+        for i, (verdict, (text, contexts)) in enumerate(
             zip(scored.refused, scored.slots, strict=True)
         ):
             if verdict is not None:
@@ -263,13 +271,15 @@ class RulesThenVerifier:
                 and not scored.negation_differs[i]
             )
             text_bar = near_repeat_bar if near_repeat else bar  # the texts' similarity
-            context_bar = near_repeat_bar if scored.close_contexts[i] else bar
             text_score = scored.scores[text] if text >= 0 else 1.0
-            context_score = scored.scores[context] if context >= 0 else 1.0
-            score = min(text_score, context_score)
+            context_scores = [scored.scores[c] for c in contexts]
+            score = min([text_score, *context_scores])
             if text_score < text_bar:
                 out.append(Verdict.refused(Reason.MEANING, score))
-            elif context_score < context_bar:
+            elif any(
+                got < (near_repeat_bar if near else bar)
+                for got, near in zip(context_scores, scored.close_contexts[i], strict=True)
+            ):
                 out.append(Verdict.refused(Reason.CONTEXT, score))
             else:
                 out.append(Verdict(True, None, score))

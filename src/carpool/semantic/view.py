@@ -3,7 +3,8 @@
 Contract: ``semantic_view`` splits a shareable request into its scope, compared exactly, and the
 text compared by meaning, if it has one. The last user turn is compared by meaning (each API's
 ``semantic_split``: chat and Messages' last user message, a completion's prompt, Responses' last
-user input), and so are a conversation's earlier turns (``context``: :func:`conversation`), so a
+user input), and so are a chat or Messages conversation's earlier turns (``context``:
+:func:`conversation`; Responses' earlier ``input`` items stay in the scope, exact), so a
 reworded context can still hit while "cancel it" in a chat about a gym never matches "cancel
 it" in a chat about a phone plan (the guard reads both); leading small talk is left out of the
 context. The model, every parameter and the system prompt (instructions) must be identical: they
