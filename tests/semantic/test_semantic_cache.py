@@ -1399,6 +1399,40 @@ async def test_the_record_bound_counts_the_bytes_of_the_texts_not_their_characte
         assert b.gateway.semantic.entries == 1
 
 
+async def test_an_instance_started_later_serves_entries_made_after_the_streams_prefix_invalidations(
+    two_semantic, fake
+):
+    """A prefix invalidation read from the stream was dated when read (C's start), not when
+    made: every entry made before C started predated it for prompts with that prefix; and two,
+    forgotten at once (C had inserted nothing: no TTL known), left a floor above every entry
+    C read. C served none of the fleet's entries, to any prompt."""
+    async with two_semantic(later=True) as (a, b, run_later):
+        for prefix in ("How can I sharpen", "Zzz"):
+            done = await a.client.post("/admin/invalidate", json={"prefix": prefix}, headers=ADMIN)
+            assert done.status_code == 200, done.text
+        knife = await ask(a, "How do I sharpen a pocket knife?")
+        egg = await ask(a, "How long should I boil an egg?")
+        await eventually(lambda: a.gateway.semantic.counts["published"] == 4, what="A's records")
+        async with run_later() as c:
+            semantic = c.gateway.semantic
+            await eventually(
+                lambda: (
+                    semantic.counts["received"] == 2
+                    and semantic.counts["invalidations_received"] == 2
+                ),
+                what="C reading the records stored before it started",
+                state=lambda: semantic.counts,
+            )
+            for asked, stored in (
+                ("How can I sharpen a pocket knife?", knife),  # (made after the prefix's)
+                ("how long should i boil an egg", egg),
+            ):
+                again = await ask(c, asked)
+                assert again.headers["x-carpool"] == "semantic-hit", asked
+                assert again.json() == stored.json()
+            assert fake.count() == 2
+
+
 async def test_a_remote_entry_whose_exact_answer_is_gone_is_dropped(two_semantic, fake):
     async with two_semantic() as (a, b):
         await ask(a, "How do I reset my router?")

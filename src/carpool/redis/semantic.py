@@ -36,9 +36,11 @@ Contract:
     the cache's ``generation`` (as every ``invalidate`` does): an entry whose call began before
     it is not inserted (``Leader._insert_semantic``), though its answer was kept in Redis before
     the invalidation and the pub/sub message that moves the flights' epoch has not come. A
-    prefix is remembered as a local one is (``SemanticCache``: no entry made before it, by the
-    reader's clock as the record is read, is served to a prompt that starts with it): the
-    entries of another prompt, which it drops nowhere, are not served to those prompts either.
+    prefix is remembered as a local one is (``SemanticCache``: no entry made before it, dated
+    as a ``put``'s answer is, when it was added, on the reader's clock, is served to a prompt
+    that starts with it): the entries of another prompt, which it drops nowhere, are not
+    served to those prompts either. (Dated when read, an instance started later took every
+    entry it read for older than the stream's prefix invalidations, and served none.)
 - ``invalidate`` applies locally and publishes an ``invalidate`` record; one that Redis did not
   take (it failed, or the health says it is not to be tried) raises ``StoreUnavailable`` once
   applied locally: the other instances keep their entries (those held with their answers are
@@ -286,11 +288,11 @@ class SharedSemanticCache(SemanticCache):
             )
         )
 
-    async def invalidate(self, selector: Selector) -> int:
+    async def invalidate(self, selector: Selector, made: float | None = None) -> int:
         """Here, then on the stream (the module's contract: ``StoreUnavailable`` when the
         record was not published)."""
         self.start()
-        dropped = await super().invalidate(selector)
+        dropped = await super().invalidate(selector, made)
         record = invalidate_record(self.instance, selector)
         if record is None:
             return dropped
@@ -426,7 +428,10 @@ class SharedSemanticCache(SemanticCache):
                 return
             self.counts["invalidations_received"] += 1
             value: Any = True if name == "everything" else fields[b"val"].decode()
-            await super().invalidate(Selector(**{name: value}))
+            # When it was made, not read: an entry made after it (read later, by an instance
+            # started since) predates no prefix it names.
+            made = self._clock.now() - _since(ident, redis_now)
+            await super().invalidate(Selector(**{name: value}), made)
             return
         if op != b"put":
             self.counts["ignored"] += 1
@@ -550,8 +555,15 @@ def _times(
     ttl, age = fields.get(b"xd"), fields.get(b"cd")
     if ttl is None or age is None or redis_now is None:
         return float(fields[b"x"]), float(fields[b"c"])
-    since = max(0, redis_now - int(ident.split(b"-")[0])) / 1000  # (s since it was added)
+    since = _since(ident, redis_now)
     return now + int(ttl) / 1000 - since, now - int(age) / 1000 - since
+
+
+def _since(ident: bytes, redis_now: int | None) -> float:
+    """Seconds since the record ``ident`` was added, in Redis time (0 without Redis's now)."""
+    if redis_now is None:
+        return 0.0
+    return max(0, redis_now - int(ident.split(b"-")[0])) / 1000
 
 
 def _left_unread(

@@ -69,7 +69,7 @@ Contract:
   its own: an entry for "What's the price of the Pro plan?" survives the prefix "What is the
   price" and would be served to "What is the price of the Pro plan?", whose own answer was
   dropped. So the cache remembers its prefix invalidations (another instance's too, read from
-  the stream: ``redis/semantic.py``) and serves no entry made before one (inserted before it,
+  the stream, dated when made: ``redis/semantic.py``) and serves no entry made before one (inserted before it,
   or its answer ``created`` before it: a record from another instance may come late) to a
   requester whose prompt prefix (``probe``'s ``prompt_prefix``: what the exact layer keeps,
   ``lead.prompt_prefix``; None: unknown, every one applies) starts with it. At most
@@ -636,12 +636,14 @@ class SemanticCache:
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         """Called with each entry once it is in this cache (and its index); nothing here."""
 
-    async def invalidate(self, selector: Selector) -> int:
+    async def invalidate(self, selector: Selector, made: float | None = None) -> int:
+        """``made``: when the invalidation was made, on the clock (another instance's, read
+        from the stream later); None: now."""
         self.generation += 1
         if selector.prefix is not None and not selector.everything:
             # Remembered: what it names is what a requester's prompt starts with (``probe``).
             now = self._clock.now()
-            self._prefixes.append((selector.prefix, next(self._ids), now))
+            self._prefixes.append((selector.prefix, next(self._ids), now if made is None else made))
             self._forget_prefixes(now)
         doomed = self._entries.remove_if(lambda _, e: selector.picks(e))
         for key, entry in doomed:
