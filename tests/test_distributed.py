@@ -564,12 +564,10 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         # Redis down: A answers alone, and the answer lingers in A's own window.
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
         assert len(a.gateway.flights) == 1
-        # An invalidation on B while Redis is down returns at once, done in B only: a 503 (the
-        # answers in Redis were not dropped, and may be there again once it answers).
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        # An invalidation on B while Redis is down is done in B only: a 503 (the answers in
+        # Redis were not dropped, and may be there again once it answers), never sent.
         response = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
-        assert response.status_code == 503 and loop.time() - started < 1.0
+        assert response.status_code == 503
         assert response.headers["retry-after"] == "1"
         assert ib.counts["unsent"] == 1 and ib.counts["published"] == 0
         killable_redis.restart()

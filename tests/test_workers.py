@@ -316,17 +316,18 @@ def _stalled_workers(stalled) -> tuple[list[int], list[int]]:
     return started, [int(path.stem) for path in stalled.glob("*.pinged")]
 
 
-def _ended_at_once(proc, stopped_at: float, log, stalled, temporary, workers: int) -> None:
-    """After a stop at ``stopped_at``: the run ended with status 0 well under the health
-    check's wait (``WORKER_HEALTHCHECK_S``), the ``workers`` workers it started in all ended,
-    and its directory gone."""
-    import time
+def _ended_at_once(proc, log, stalled, temporary, workers: int) -> None:
+    """After a stop: the run ended with status 0 before the health check's wait
+    (``WORKER_HEALTHCHECK_S``) could have ended, the ``workers`` workers it started in all
+    ended, and its directory gone."""
+    import subprocess
 
     from carpool.cli import WORKER_HEALTHCHECK_S
 
-    assert proc.wait(WORKER_HEALTHCHECK_S * 2) == 0, log.read_text()[-2000:]
-    took = time.monotonic() - stopped_at
-    assert took < WORKER_HEALTHCHECK_S / 2, (took, log.read_text()[-2000:])
+    try:  # (a wait, not a timing: it ends when the run does)
+        assert proc.wait(WORKER_HEALTHCHECK_S / 2) == 0, log.read_text()[-2000:]
+    except subprocess.TimeoutExpired:
+        pytest.fail("still running, as if it waited on a stalled worker's health check")
     started, _ = _stalled_workers(stalled)
     assert len(started) == workers, started
     assert not any(_running(pid) for pid in started)
@@ -364,7 +365,6 @@ async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_
     import shutil
     import signal
     import tempfile
-    import time
     from pathlib import Path
 
     temporary = Path(tempfile.mkdtemp(prefix="cp-"))
@@ -376,13 +376,12 @@ async def test_a_stop_while_the_supervisor_waits_on_a_health_check_ends_the_run_
     proc = start_serve(args, env, log, own_group=True, stalled=stalled)
     try:
         await _waiting_on_a_health_check(proc, stalled, log, workers=2)
-        stopped_at = time.monotonic()
         if stop == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.terminate()
         # (None started in place of one the signal ended.)
-        _ended_at_once(proc, stopped_at, log, stalled, temporary, workers=2)
+        _ended_at_once(proc, log, stalled, temporary, workers=2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -448,7 +447,6 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
     import shutil
     import signal
     import tempfile
-    import time
     from pathlib import Path
 
     from fakes.waiting import eventually
@@ -479,10 +477,9 @@ async def test_a_stop_during_a_sighups_restart_ends_the_run_at_once(fake, tmp_pa
             state=lambda: _stalled_workers(stalled),
         )
         assert proc.poll() is None, log.read_text()[-2000:]
-        stopped_at = time.monotonic()
         proc.terminate()
         # (The restart's wait for its new worker is what it took; it started no other.)
-        _ended_at_once(proc, stopped_at, log, stalled, temporary, workers=3)
+        _ended_at_once(proc, log, stalled, temporary, workers=3)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -521,8 +518,9 @@ def test_a_hung_worker_is_given_up_on_in_its_timeout_while_other_workers_keep_dy
             dying.process.join()
             supervisor.processes = [hung, dying]
             verdicts.append(supervisor._answers(hung, timeout=1.0))
-        assert verdicts[-1] is False, verdicts  # (given up on: uvicorn kills it)
-        assert time.monotonic() - began < 5
+        # (Given up on, uvicorn kills it; were its deadline moved each round, the wait of 10 s
+        # would end without it.)
+        assert verdicts[-1] is False, verdicts
     finally:
         hung.process.kill()
 
