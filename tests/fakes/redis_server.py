@@ -471,11 +471,10 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
         server.stop()
 
 
-async def assert_each_fails_fast(calls, limit: float = 1.0) -> None:
-    """Each awaitable raises ``StoreUnavailable`` (a 503, caused by a redis-py error) within
-    ``limit`` seconds: a dead Redis never makes a caller hang."""
+async def assert_each_fails_fast(calls) -> None:
+    """Each awaitable raises ``StoreUnavailable`` (a 503, caused by a redis-py error), not
+    the wait's own timeout: a dead Redis never makes a caller hang. (A wait, not a timing.)"""
     import asyncio
-    import time
 
     import pytest
     from redis.exceptions import RedisClusterException, RedisError
@@ -483,9 +482,7 @@ async def assert_each_fails_fast(calls, limit: float = 1.0) -> None:
     from carpool.store.base import StoreUnavailable
 
     for call in calls:
-        started = time.monotonic()
         with pytest.raises(StoreUnavailable) as raised:
             await asyncio.wait_for(call, 5)
-        assert time.monotonic() - started < limit
         assert isinstance(raised.value.__cause__, (RedisError, RedisClusterException))
         assert raised.value.status == 503

