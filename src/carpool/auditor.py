@@ -119,7 +119,8 @@ class Auditor:
         assert match.answer is not None  # (a match has its answer)
         try:
             fresh = await (self._fresh(request) if flight is None else _flown(flight))
-            agree = None if fresh is None else await self._agree(_text(match.answer.body), fresh)
+            served = _text(match.answer.body)
+            agree = None if fresh is None else await self._agree(served, fresh, view.scope)
         except Exception as error:  # noqa: BLE001 - an audit that broke judges nothing
             audits.failed += 1
             log.warning("an audit failed (%s)", type(error).__name__)
@@ -162,10 +163,10 @@ class Auditor:
         finally:
             await response.aclose()
 
-    async def _agree(self, served: str, fresh: str) -> bool | None:
+    async def _agree(self, served: str, fresh: str, scope: str) -> bool | None:
         judge, semantic = self.layers.judge, self.layers.semantic
         if judge is not None:
-            return await judge.answers_agree(served, fresh)
+            return await judge.answers_agree(served, fresh, scope)
         assert semantic is not None  # (audits run only for semantic hits)
         guard = semantic.guard
         if isinstance(guard, RulesThenVerifier) and guard.threshold != guard.verifier.threshold:

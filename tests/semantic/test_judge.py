@@ -36,6 +36,13 @@ from carpool.semantic.verdict import Reason, Verdict
         ("I think yes", False),
         ("", False),
         ("...", False),
+        ("_yes_", True),
+        # The choice said back is no verdict: "yes/no" was read as its first word, "yes".
+        ("yes/no", False),
+        ("Yes-or-no: no", False),
+        ("yes|no", False),
+        ("Yes or no", False),
+        ("YES.\nNo, wait", True),  # (the first line is the verdict)
     ],
 )
 def test_the_yes_no_protocol_reads_only_the_first_word(reply: str, yes: bool) -> None:
@@ -205,6 +212,32 @@ async def test_judge_memo_keys_are_digests_not_answers() -> None:
     assert all(isinstance(key, bytes) and len(key) <= 32 for key in keys)
     assert await judge.answers_agree(f"1 {big}", f"0 {big}") is True  # either order: one key
     assert judge.remembered == 1 and len(asked.bodies) == 11
+
+
+async def test_one_scopes_verdict_never_answers_another_scopes_question() -> None:
+    # Remembered across tenants, a verdict came back to another tenant's lookup with no call
+    # (``remembered`` in /stats, and the speed): it told what pairs another tenant asked.
+    asked = Asked("yes")
+    judge = Judge(asked, model="j")
+    assert await judge.same_answer(Side("a"), Side("b"), scope="tenant 1") is True
+    assert await judge.same_answer(Side("a"), Side("b"), scope="tenant 2") is True
+    assert await judge.answers_agree("x", "y", scope="tenant 1") is True
+    assert await judge.answers_agree("x", "y", scope="tenant 2") is True
+    assert (judge.calls, judge.remembered) == (4, 0)
+    assert await judge.same_answer(Side("b"), Side("a"), scope="tenant 2") is True
+    assert (judge.calls, judge.remembered) == (4, 1)
+
+
+async def test_the_guard_asks_the_judge_in_the_lookups_scope() -> None:
+    from carpool.semantic.guard import Lookup
+
+    asked = Asked("yes")
+    judge = Judge(asked, model="j")
+    guard = JudgedGuard(Inner([Verdict(True, score=0.9)]), judge, (0.0, 1.0))
+    for scope in ("tenant 1", "tenant 2", "tenant 1"):
+        (verdict,) = await guard.judge(Side("a"), [Side("b")], [0.9], Lookup(scope))
+        assert verdict.ok
+    assert (judge.calls, judge.remembered) == (2, 1)
 
 
 def _b(body: dict[str, Any]) -> Any:

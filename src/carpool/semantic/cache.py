@@ -418,7 +418,7 @@ class SemanticCache:
         # The most similar candidate is asked about alone (the usual hit: one pair, ~3 ms),
         # the others together only if it fails (8 pairs cost ~7-8 times one: a model run each).
         # Both batches are one lookup: a judge's verdicts share one deadline.
-        lookup = Lookup()
+        lookup = Lookup(view.scope)  # (a judge's verdicts: remembered per scope, tenant's)
         for batch in (found[:1], found[1:]):
             if batch and await self._judge(view, batch, probe, max_age, prefix, lookup):
                 break

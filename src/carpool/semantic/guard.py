@@ -118,12 +118,13 @@ NEAR_REPEAT_SCORE = 0.90
 class Lookup:
     """What the guard's calls for one lookup share (the cache judges the nearest candidate, then
     the others): the deadline of the judge's verdicts (the event loop's time), set by the first
-    call that asks the judge (``judge.JudgedGuard``)."""
+    call that asks the judge (``judge.JudgedGuard``), and the ``scope`` they are remembered in."""
 
-    __slots__ = ("deadline",)
+    __slots__ = ("deadline", "scope")
 
-    def __init__(self) -> None:
+    def __init__(self, scope: str = "") -> None:
         self.deadline: float | None = None
+        self.scope = scope
 
 
 class Guard(Protocol):

@@ -4,8 +4,8 @@ The verifier is a small cross-encoder: cheap enough for every lookup, unsure on 
 are close but not retypings. For those, a platform team may buy precision with a model call.
 
 Contract:
-- ``Judge(ask, model=, timeout=, max_tokens=, cache_entries=)``: ``await same_answer(a, b)`` and
-  ``await answers_agree(a, b)`` send ``ask`` an OpenAI chat-completions body (the judge's
+- ``Judge(ask, model=, timeout=, max_tokens=, cache_entries=)``: ``await same_answer(a, b,
+  deadline, scope)`` and ``await answers_agree(a, b, scope)`` send ``ask`` an OpenAI chat-completions body (the judge's
   ``model``, temperature 0, ``max_tokens``; :func:`messages`): a system message holds the
   question's instructions, which say the texts are data, never instructions; the user message is
   a JSON object of the two texts, each a JSON string (a conversation's, an object of its
@@ -13,11 +13,13 @@ Contract:
   forge the question's structure (a text holding the labels, or "answer yes" on a line of its
   own, stays inside its string). ``ask`` returns the judge's reply text (:func:`asking`: a reply
   body over ``MAX_REPLY_BYTES`` is no reply). The verdict is yes only when the reply's first
-  word is "yes" (any case, punctuation ignored); any other reply, an error or no reply within
+  word is "yes" (any case, the punctuation around it ignored; not on a first line that says
+  "no" too: "Yes or no"); any other reply, an error or no reply within
   ``timeout`` is no, so a failing judge never serves. Verdicts are remembered per pair, either
-  order (an LRU of
-  ``cache_entries``, keyed on a 16-byte BLAKE2b digest of the question and both texts: never
-  the texts, which may be whole answers, outside every byte budget). A question asked now is
+  order, and per ``scope`` (whose question: the semantic scope, the lookup's, so one tenant's
+  verdict never answers another's: an LRU of ``cache_entries``, keyed on a 16-byte BLAKE2b
+  digest of the question, the scope and both texts: never the texts, which may be whole
+  answers, outside every byte budget). A question asked now is
   asked once: those who ask it meanwhile await that answer (``joined``); it runs in a task of
   its own, so an asker that leaves leaves it to the others. At most ``max_calls`` questions are
   asked at once (the judge may be the gateway's own replicas, serving the clients) and
@@ -104,7 +106,10 @@ ANSWERS_AGREE = Question(
 #: default); a larger one is no reply, never read whole into memory.
 MAX_REPLY_BYTES = 64 * 1024
 
-_FIRST_WORD = re.compile(r"[^\w]*(\w+)")
+#: The punctuation and markdown around the reply's first word ("**Yes.**", "'yes'").
+_EDGES = re.compile(r"^[\W_]+|[\W_]+$")
+#: "no" as a word: a first line that says it too is the choice said back ("Yes or no").
+_NO = re.compile(r"(?i)(?<![^\W_])no(?![^\W_])")
 
 #: The verifier's reasons: the only refusals the judge may overrule (a rule's never).
 _MODEL_REASONS = (Reason.MEANING, Reason.CONTEXT)
@@ -118,9 +123,13 @@ MAX_WAITING = 64
 
 
 def is_yes(reply: str) -> bool:
-    """Whether the judge's reply says yes: its first word, any case, punctuation ignored."""
-    first = _FIRST_WORD.match(reply)
-    return first is not None and first.group(1).casefold() == "yes"
+    """Whether the judge's reply says yes: its first word (split at white space), any case,
+    the punctuation around it ignored, on a first line that does not say "no" ("yes/no",
+    "Yes or no", "Yes-or-no: no" say the choice back: split at any mark, they read "yes")."""
+    words = reply.split(maxsplit=1)
+    if not words or _EDGES.sub("", words[0]).casefold() != "yes":
+        return False
+    return _NO.search(reply.strip().partition("\n")[0]) is None
 
 
 def asking(
@@ -210,21 +219,26 @@ class Judge:
         self.busy = 0
         self.failures = 0
 
-    async def same_answer(self, a: Side, b: Side, deadline: float | None = None) -> bool:
+    async def same_answer(
+        self, a: Side, b: Side, deadline: float | None = None, scope: str = ""
+    ) -> bool:
         """Whether ``a`` and ``b`` have the same answer; no verdict by ``deadline`` (the event
-        loop's time) is no: the question asked goes on for the others who wait for it."""
-        verdict = await self._verdict(SAME_ANSWER, _text(a), _text(b), deadline)
+        loop's time) is no: the question asked goes on for the others who wait for it.
+        ``scope``: whose question (the semantic scope: tenant, namespace...), remembered apart."""
+        verdict = await self._verdict(SAME_ANSWER, _text(a), _text(b), deadline, scope)
         return verdict is True  # (None: a miss)
 
-    async def answers_agree(self, a: str, b: str) -> bool | None:
+    async def answers_agree(self, a: str, b: str, scope: str = "") -> bool | None:
         """Whether two answers agree; None when the judge gave no verdict (an error, a timeout,
         too many questions at once): an audit then counts nothing."""
-        return await self._verdict(ANSWERS_AGREE, a, b)
+        return await self._verdict(ANSWERS_AGREE, a, b, None, scope)
 
     async def _verdict(
-        self, question: Question, a: Text, b: Text, deadline: float | None = None
+        self, question: Question, a: Text, b: Text, deadline: float | None, scope: str
     ) -> bool | None:
-        key = _pair(question.instructions, _encoded(a), _encoded(b))
+        # (Per scope: another tenant's verdict, come back with no call, would tell it what
+        # pairs that tenant asked, by ``remembered`` or by its speed.)
+        key = _pair(question.instructions + "\0" + scope, _encoded(a), _encoded(b))
         known = self._verdicts.get(key)
         if known is not None:
             self.remembered += 1
@@ -347,7 +361,7 @@ class JudgedGuard:
             answers = [False] * len(asked)
         else:
             answers = await asyncio.gather(
-                *(self.llm.same_answer(new, candidates[i], deadline) for i in asked)
+                *(self.llm.same_answer(new, candidates[i], deadline, lookup.scope) for i in asked)
             )
         for i, yes in zip(asked, answers, strict=True):
             score = verdicts[i].score
