@@ -91,10 +91,12 @@ def _context(*turns: tuple[str, str]) -> str:
 
 
 def test_aligned_turns_are_read_one_differing_turn_at_a_time():
+    # Read as one text, a long shared turn drowned a change in another ("safe" / "risky",
+    # "in the morning" / "at night": 0.985-0.992 served; alone 0.01-0.06).
     a = _context(("user", "I ordered shoes.\nThey do not fit."), ("assistant", "It is safe."))
-    b = _context(("user", "I ordered shoes.\nThey do not fit."), ("assistant", "It is not safe."))
-    assert turns(a, b) == [("assistant: It is safe.", "assistant: It is not safe.")]
-    assert turns(b, a) == [("assistant: It is not safe.", "assistant: It is safe.")]
+    b = _context(("user", "I ordered shoes.\nThey do not fit."), ("assistant", "It is risky."))
+    assert turns(a, b) == [("assistant: It is safe.", "assistant: It is risky.")]
+    assert turns(b, a) == [("assistant: It is risky.", "assistant: It is safe.")]
     c = _context(("user", "I ordered boots.\nThey do not fit."), ("assistant", "It is not safe."))
     assert turns(a, c) == [
         (
@@ -102,6 +104,18 @@ def test_aligned_turns_are_read_one_differing_turn_at_a_time():
             "user: I ordered boots.\n  They do not fit.",
         ),
         ("assistant: It is safe.", "assistant: It is not safe."),
+    ]
+
+
+def test_more_than_two_differing_turns_are_never_read():
+    # (A pair a turn: 280 turns a mark apart made 2,240 model runs of one lookup, 3.8 s.)
+    many = _context(*[("user", f"Is {i} fine?") for i in range(3)])
+    other = _context(*[("user", f"Is {i} fine!") for i in range(3)])
+    assert turns(many, other) is None
+    two = _context(("user", "Is 0 fine!"), ("user", "Is 1 fine!"), ("user", "Is 2 fine?"))
+    assert turns(many, two) == [
+        ("user: Is 0 fine?", "user: Is 0 fine!"),
+        ("user: Is 1 fine?", "user: Is 1 fine!"),
     ]
 
 

@@ -684,6 +684,7 @@ REFUND = (
         ("Good news: there is a known interaction.", "Good news: there is no known interaction."),
         ("We did not find some of the items.", "We did not find any of the items."),
         ("We cancel the order.", "We canceled the order."),
+        ("Take it in the morning.", "Take it at night."),
     ],
 )
 def test_an_earlier_turn_that_says_another_thing_is_refused_beside_a_long_shared_turn(
@@ -754,6 +755,15 @@ def test_earlier_turns_get_the_near_repeat_bar_only_when_close_whatever_the_text
             assert v.ok, v
         else:
             assert not v.ok and v.reason == Reason.CONTEXT, v
+
+
+def test_more_than_two_differing_earlier_turns_are_refused_unasked():
+    verifier = FixedScore(1.0, 0.9)
+    guard = RulesThenVerifier(verifier, rules=())
+    a = "\n".join(f"user: Is {i} fine?" for i in range(3))
+    b = "\n".join(f"user: Is {i} fine!" for i in range(3))
+    (v,) = guard.judge_now(Side("What now?", a), [Side("What now?", b)], [1.0])
+    assert not v.ok and v.reason == Reason.CONTEXT and verifier.asked == [], v
 
 
 def test_earlier_turns_that_say_a_negator_another_number_of_times_are_never_asked_about():

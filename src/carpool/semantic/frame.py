@@ -17,10 +17,14 @@ development pairs: no decision changed (always scoring the core lost 7 true rewo
 Linear in the texts.
 
 ``turns(a, b)``: two conversations' earlier turns (``verifier.render_context``) as the pairs the
-verifier reads: each turn that differs, alone, where both hold as many turns of the same roles
-in order; the two whole else. Read whole, a long shared turn drowned a one-word change in
-another ("it is safe to combine them" / "it is not safe...", "did not find some" / "...any"
-after a 40-word request: 0.985-0.992, served; 0.02-0.06 alone).
+verifier reads: where both hold as many turns of the same roles in order, each turn that
+differs, alone; the two whole where they do not; None (refused unasked) where more than
+``MAX_ALONE`` turns differ (a pair a turn: 280 turns made 2,240 model runs of one lookup).
+Read whole, a long shared turn drowned a change in another ("did not find some" / "...any",
+"take it in the morning" / "...at night" after a 40-word request: 0.985-0.992, served;
+0.01-0.06 alone). Read alone, a short statement reworded is rarely the same to the verifier,
+trained on questions ("Sure." / "Sure thing." 0.017, 0.989 in its context): hits given up for
+wrong answers not served.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ _SEGMENT = re.compile(r"[^,.?!;:\n]+[,.?!;:\n]*|[,.?!;:\n]+")
 _QUESTION = frozenset("how what why where when which who whom whose".split())
 #: Where a rendered context's turns begin (a turn's own line breaks are indented).
 _TURN = re.compile(r"\n(?! )")
+#: The most turns read alone (``turns``).
+MAX_ALONE = 2
 
 
 def core(a: str, b: str) -> tuple[str, str] | None:
@@ -77,12 +83,13 @@ def _one_word_apart(a: str, b: str) -> bool:
     return i is not None and another_thing(x[i], y[i])
 
 
-def turns(a: str, b: str) -> list[tuple[str, str]]:
-    """Two contexts' pairs for the verifier (the module's contract)."""
+def turns(a: str, b: str) -> list[tuple[str, str]] | None:
+    """Two contexts' pairs for the verifier, or None (the module's contract)."""
     x, y = _TURN.split(a), _TURN.split(b)
     if len(x) != len(y):
         return [(a, b)]
     pairs = list(zip(x, y, strict=True))
     if any(u.partition(":")[0] != v.partition(":")[0] for u, v in pairs):  # (the roles)
         return [(a, b)]
-    return [(u, v) for u, v in pairs if u != v]
+    differ = [(u, v) for u, v in pairs if u != v]
+    return differ if len(differ) <= MAX_ALONE else None

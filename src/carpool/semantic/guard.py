@@ -170,31 +170,30 @@ class RulesThenVerifier:
         new: Side,
         candidates: Sequence[Side],
     ) -> tuple[list[Verdict | None], list[tuple[str, str]], list[Slot]]:
-        """Rule verdicts (None: ask the verifier), the pairs to score, and per candidate its pairs'
-        indexes among them (``Scored.slots``). A candidate with a pair the verifier would not
-        read whole is refused (:attr:`Reason.LENGTH`): what it did not read, it cannot vouch for."""
+        """Rule verdicts (None: ask the verifier), the pairs to score and their indexes
+        (``Scored.slots``); a pair the verifier would not read whole refuses (``LENGTH``)."""
         verdicts: list[Verdict | None] = []
         asked: list[list[tuple[str, str] | None]] = []  # (the text pair, then the contexts')
         for cached in candidates:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
             )
-            if reason is None and bool(new.context) != bool(cached.context):
-                # Earlier turns on one side only (small talk aside: ``view.conversation``): an
-                # instruction ("reply only with yes or no") against none. The verifier, asked
-                # about a text against nothing, scored that 0.99.
+            # (Exact: retyping may move a turn's boundary. None: too many turns differ.)
+            split = [] if new.context == cached.context else turns(new.context, cached.context)
+            if reason is None and (
+                # Earlier turns on one side only (small talk aside: ``view.conversation``):
+                # "reply only with yes or no" against none, asked of the verifier, scored 0.99.
+                bool(new.context) != bool(cached.context)
+                or split is None
+                or negators(new.context) != negators(cached.context)  # (``frame``: drowned)
+            ):
                 reason = Reason.CONTEXT
-            elif reason is None and negators(new.context) != negators(cached.context):
-                reason = Reason.CONTEXT  # (read whole, a long turn drowned a "not": frame)
             verdicts.append(None if reason is None else Verdict.refused(reason))
-            if reason is not None:
+            if reason is not None or split is None:
                 asked.append([None])
                 continue
             text = None if retyped(new.text, cached.text) else read(new.text, cached.text)
-            # Exact: retyping may move a turn's boundary.
-            same = new.context == cached.context
-            contexts = [] if same else [read(*p) for p in turns(new.context, cached.context)]
-            asked.append([text, *contexts])
+            asked.append([text, *(read(*p) for p in split)])
         cut = iter(self.verifier.unread([p for both in asked for p in both if p is not None]))
         pairs: list[tuple[str, str]] = []
         slots: list[Slot] = []
