@@ -31,6 +31,13 @@ TRAPS = {
     "pl": ("Jak włączyć tryb samolotowy?", "Jak wyłączyć tryb samolotowy?"),
     "id": ("Berapa 16 dikali 3?", "Berapa 16 dikali 5?"),
     "vi": ("Làm thế nào để bật Bluetooth?", "Làm thế nào để tắt Bluetooth?"),
+    # An English question about a German sign: "an" is English, "aus" was no foreign word, and
+    # "Licht an" / "Licht aus" (on / off) were served each other's answers (27 of 54).
+    "de-in-en": (
+        "My neighbour put a sign on her door that says Licht aus in her own language, what does"
+        " it say?",
+        "What does the switch label Heizung zu mean in English?",
+    ),
     # English around a German comment: its other side ("# löschen") may read as English, this
     # one never does, so the pair is never compared.
     "mixed": ("Fix my code:\nx = load()  # nicht löschen\nsave(x)",),
@@ -54,6 +61,7 @@ ENGLISH = [
     "I'm 24 and I don't know what to do with my life.",
     "Is ibuprofen safe to take with alcohol?",
     "Explain van der Waals forces.",
+    "Flights to AUS from Denver?",
 ]
 
 

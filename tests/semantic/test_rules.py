@@ -322,6 +322,14 @@ def test_operators_a_different_code_operator_is_refused():
     assert refused("Why use a != b here?", "Why use a == b here?") == "operator"
     assert refused("What is 3 - 2?", "What is 3 + 2?") == "operator"
     assert refused("Explain a && b in JavaScript", "Explain a || b in JavaScript") == "operator"
+    # Arrows and stars the verifier reads as near-equal (0.986-0.995 served).
+    assert refused("Convert CSV → JSON", "Convert CSV ← JSON") == "operator"
+    assert (
+        refused("The RSI indicator shows ↑ today", "The RSI indicator shows ↓ today") == "operator"
+    )
+    assert (
+        refused("What does a rating of ★★★★★ mean?", "What does a rating of ★ mean?") == "operator"
+    )
 
 
 def test_operators_word_operators_between_names_of_code_and_their_grouping_are_refused():
@@ -952,6 +960,11 @@ def test_operators_marks_standing_alone_are_what_is_asked_about():
     assert refused("Why write a ?? b", "Why write a || b") == "operator"
     assert passes(operators.RULE, "What is it??", "What is it?")
     assert passes(operators.RULE, "Really!!", "Really?")
+    # At the end, apart from the last word, a run ends the sentence: read only against another.
+    assert passes(operators.RULE, "Why is the sky blue ??", "Why is the sky blue?")
+    assert passes(operators.RULE, "Merci !!", "Merci !")
+    assert passes(operators.RULE, "Explain machine learning !!", "Explain machine learning")
+    assert passes(operators.RULE, "How do I bake bread !!!", "How do I bake bread!!!")
 
 
 def test_polarity_a_yes_or_no_that_is_no_reply_is_read_as_any_word():

@@ -378,6 +378,8 @@ MISREAD_MARKS = {
     "ellipsis-after-mark": ("How do I bake bread?...", "How do I bake cake?..."),
     "marks-apart": ("How do I bake bread !!!", "How do I bake cake !!!"),
     "marks-and-a-one": ("How do I bake bread!!1", "How do I bake cake!!1"),
+    "ones-among-marks": ("How do I bake bread!!!1!", "How do I bake cake!!!1!"),
+    "marks-spaced": ("How do I bake bread ! ! !", "How do I bake cake ! ! !"),
     "face-attached": ("How do I bake bread^_^", "How do I bake cake^_^"),
     "face-reversed": ("How do I bake bread (:", "How do I bake cake (:"),
     "operator-asked-about": ("What does !!", "What does ??"),
@@ -402,6 +404,9 @@ async def test_marks_and_filler_the_verifier_misread_never_make_unrelated_prompt
         ("How do I reset my router lol", "How can I reset my router?"),
         ("How do I reset my router please", "How do I reset my router"),
         ("How can I reset my password? Thanks in advance.", "How can I reset my password?"),
+        # (Marks apart from the last word end the sentence: no operator.)
+        ("How do I reset my router ??", "how do i reset my router?"),
+        ("How do I reset my router !!!", "How do I reset my router!!!"),
     ],
 )
 async def test_a_paraphrase_with_the_same_emoticon_or_with_filler_is_still_served(

@@ -51,6 +51,11 @@ def test_emoticons_are_read_as_eyes_and_mouth(text, found):
         ("How do I bake bread ?!", "How do I bake bread?"),
         ("How do I bake bread!!1", "How do I bake bread."),
         ("What does !! do", "What does !! do"),  # (inside: what is asked about)
+        ("How do I bake bread!!!1!", "How do I bake bread."),
+        ("How do I bake bread!1!1", "How do I bake bread."),
+        ("How do I bake bread!!11!!", "How do I bake bread."),
+        ("How do I bake bread ! ! !", "How do I bake bread."),
+        ("Is x!1 true", "Is x!1 true"),  # (one "!" before a one: not a mark)
         ("( If any )", "( If any )"),  # (brackets stay)
         ("lol", "lol"),  # (nothing would be left: as sent)
         ("continue, thank you", "continue"),

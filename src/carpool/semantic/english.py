@@ -101,7 +101,7 @@ FOREIGN = frozenset(
     não uma como você ini itu apa berapa bagaimana nasıl mı się nie czy của và có không là
     những nahi nahin hai hain hoon karo karna karta karti karte karni kar ko mujhe kya chahiye
     kaise kyun kyon bahut abhi yeh raha rahi gaya hota hoga sakta sakte quelle quel quels quelles
-    qual quais quanto quanta quid ou hao le les du des au aux""".split()
+    qual quais quanto quanta quid ou hao le les du des au aux aus zu nein""".split()
 )
 #: Endings an English word may carry past a vocabulary word ("booking", "cancelled", "stories").
 ENDINGS = ("s", "es", "ed", "d", "ing", "ly", "er", "est", "ers", "ies", "ness", "ment", "ful")

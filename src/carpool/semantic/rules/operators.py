@@ -6,7 +6,11 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
 - symbols: comparison (``<``, ``>``, ``<=``, ``>=``, ``==``, ``===``, ``!=``, ``≠``, ``≤``,
   ``≥``), assignment and arithmetic (``=``, ``+=``, ``-=``, ``*=``, ``/=``, ``+``, ``-``, ``*``,
   ``/``, ``%``, ``**``, ``//``), logic and bits (``&&``, ``||``, ``!``, ``&``, ``|``, ``^``,
-  ``~``, ``<<``, ``>>``), arrows (``->``, ``=>``);
+  ``~``, ``<<``, ``>>``), arrows (``->``, ``=>``, ``→``, ``←``, ``↑``, ``↓``...) and stars
+  (``★``, ``☆``, each: a rating's count), which the verifier reads as near-equal ("CSV → JSON" /
+  "CSV ← JSON" 0.986, "shows ↑" / "shows ↓" 0.993); two or more of "!" and "?" standing alone
+  before more words ("What does !! do") or ending both texts in other runs ("What does !!" /
+  "What does ??");
 - the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
   "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
   ``<`` ("over", "under", "above", "below" only before an amount: "under $300", not "under
@@ -32,8 +36,9 @@ from .text import memo, norm
 
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
+    r"|[→←↑↓↔↕⇒⇐⇔★☆]"  # (arrows and stars, each: the verifier reads them as near-equal)
     r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])"
-    r"|(?<!\S)\?{2,}+(?!\S)"  # ("??" standing alone; after a word it ends a sentence)
+    r"|(?<!\S)\?{2,}+(?=\s++\S)"  # ("??" alone before more words: after one, a mark)
 )
 _CANONICAL = {"≠": "!=", "≤": "<=", "≥": ">="}
 #: "over", "under", "above", "below" compare only before an amount ("under $300", not "under the
@@ -76,10 +81,12 @@ _GROUP = re.compile(r"\([^()]*\)")
 #: Punctuation that looks like an operator in prose: "!" ending a sentence, "-" as a dash.
 #: (A run of "!" read from its start, whole: "!" * 4,095 + "x" was tried from each, 0.44 s.
 #: After a digit it is a factorial: "How big is 52!" / "How big is 52?" was served, 0.988.
-#: Two or more standing alone are what is asked about: "What does !!" / "What does ??" was
-#: served, 0.995; one alone is prose: "Bonjour !")
+#: Two or more standing alone before more words are what is asked about ("What does !! do"),
+#: at the end they end a sentence ("Why is it blue !!": ``differs`` reads them against the
+#: other's); one alone is prose: "Bonjour !")
 _PROSE = re.compile(
-    r"(?<=[^!\d\s])!++(?=\s|$)|(?<!\S)!(?=\s|$)|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])"
+    r"(?<=[^!\d\s])!++(?=\s|$)|(?<!\S)!(?=\s|$)|(?<!\S)!++(?=\s*+$)"
+    r"|\s-\s(?=[A-Za-z])|(?<=[A-Za-z])/(?=[A-Za-z])"
 )
 
 
@@ -102,8 +109,18 @@ def _operators(text: str) -> tuple[str, ...]:
     return tuple(op for _, op in sorted(found))
 
 
+def _end_run(text: str) -> str | None:
+    """The marks ending ``text`` apart from its last word, two or more ("What does !!")."""
+    words = text.split()
+    last = words[-1] if words else ""
+    return last if len(last) > 1 and not last.strip("!?") and len(words) > 1 else None
+
+
 def differs(a: str, b: str) -> bool:
-    return _operators(a) != _operators(b)
+    # Marks apart at the end end a sentence ("Why is it blue ??"), but two texts that both end
+    # so in other marks ask about them ("What does !!" / "What does ??", 0.995).
+    x, y = _end_run(a), _end_run(b)
+    return _operators(a) != _operators(b) or (x is not None and y is not None and x != y)
 
 
 RULE = Rule(Reason.OPERATOR, differs)

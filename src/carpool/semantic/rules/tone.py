@@ -66,9 +66,21 @@ _FACES = re.compile(r"(?:[ \t])?(?:" + _EMOTICON.pattern + ")")
 #: "what does !! do", a factorial: "52!", a range: "a..b"; nor a full stop before a mark:
 #: "U.S.?"): "How do I bake bread..." / "...cake..." scored 0.993, 0.718 with a full stop.
 _MARKS = re.compile(
-    r"(?<=[^\W\d_])(?:[ \t]++(?=[!?！？]++[ \t]*+$))?"  # (apart from the word at the end)
-    r"(?:\.{2,}+|[!?！？…])[!?！？.…]*+(?:(?<=!)1++)?(?=\s|$|[\"')\]])"  # ("!!1" too)
+    # (Apart from the word at the end too, spaced or not: "bread !!!", "bread ! ! !".)
+    r"(?<=[^\W\d_])(?:[ \t]++(?=[!?！？](?:[ \t]*+[!?！？1])*+[ \t]*+$))?"
+    r"(?:\.{2,}+|[!?！？…])(?:[!?！？.…1]|[ \t]++(?=[!?！？]))*+(?=\s|$|[\"')\]])"
 )
+
+
+def _mark(run: re.Match[str]) -> str:
+    """A run of marks as one: "?" where it holds one, else "."; as written where it holds a
+    "1" but not two "!" ("!!1", "!1!1" are marks; "x!1" is code)."""
+    said = run.group()
+    if "1" in said and said.count("!") + said.count("！") < 2:
+        return said
+    return "?" if "?" in said or "？" in said else "."
+
+
 #: Where a text's sentences end (the white space after, kept): one said again at once is read
 #: once ("Q? Q?" is "Q?": pasted twice, unrelated questions scored 0.76 on average, "Explain
 #: machine learning?" twice / "Explain quantum computing?" twice 0.982).
@@ -207,7 +219,7 @@ def reading(text: str) -> Reading:
     """``text`` as the verifier may be given it (the module's contract), with what that left
     out; as sent, nothing left out, when nothing of it would be left but marks ("lol")."""
     plain, fillers = _edges(_FACES.sub("", text))
-    plain = _MARKS.sub(lambda m: "?" if "?" in m.group() or "？" in m.group() else ".", plain)
+    plain = _MARKS.sub(_mark, plain)
     plain, repeats = _once(plain.strip())
     if not any(ch.isalnum() for ch in plain):
         return Reading(text, (), 0, ())
