@@ -96,6 +96,24 @@ async def test_in_the_band_the_judge_decides_a_paraphrase_the_verifier_would_ser
         assert fake_judge.bodies[0]["model"] == "judge-model"
 
 
+async def test_a_verdict_remembered_in_one_scope_never_answers_another(fake, gateway_with, judge):
+    # Remembered across scopes (tenants too), a verdict came back to another scope's lookup with
+    # no call: /stats' `remembered`, or its speed, told what pairs another tenant had asked.
+    fake_judge, url = judge
+    fake_judge.decide = lambda a, b: True
+    async with gateway_with(**semantic(url, judge={"band": [0.0, 1.0]})) as gw:
+        for namespace in ("first", "second"):
+            assert outcome(await ask(gw, ROUTER, namespace)) == "miss"
+            asked = fake_judge.calls("same")
+            hit = await ask(gw, PARAPHRASES[0], namespace)
+            assert outcome(hit) == "semantic-hit"
+            assert fake_judge.calls("same") == asked + 1, namespace  # (asked in its scope)
+        again = await ask(gw, PARAPHRASES[0], "first")
+        assert outcome(again) == "semantic-hit" and fake_judge.calls("same") == asked + 1
+        stats = (await admin(gw, "GET", "/stats")).json()
+        assert stats["judge"]["remembered"] >= 1, stats["judge"]
+
+
 async def test_a_rule_refusal_is_never_put_to_the_judge(fake, gateway_with, judge):
     fake_judge, url = judge
     fake_judge.decide = lambda a, b: True

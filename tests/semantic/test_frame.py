@@ -119,9 +119,11 @@ def test_more_than_two_differing_turns_are_never_read():
     ]
 
 
-def test_turns_that_do_not_align_are_read_whole():
+def test_turns_that_do_not_align_are_never_read():
+    # Read whole, an extra exchange hid a change in another turn ("take it in the morning" /
+    # "...at night" and "ok" / "Great." after it: 0.987, served).
     a = _context(("user", "Hi."), ("assistant", "It is safe."))
     more = _context(("user", "Hi."), ("assistant", "It is safe."), ("user", "And?"))
     swapped = _context(("assistant", "Hi."), ("user", "It is safe."))
-    assert turns(a, more) == [(a, more)]
-    assert turns(a, swapped) == [(a, swapped)]
+    assert turns(a, more) is None
+    assert turns(a, swapped) is None

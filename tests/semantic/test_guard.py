@@ -757,6 +757,21 @@ def test_earlier_turns_get_the_near_repeat_bar_only_when_close_whatever_the_text
             assert not v.ok and v.reason == Reason.CONTEXT, v
 
 
+def test_earlier_turns_with_an_exchange_on_one_side_only_are_refused(guard):
+    # Read whole, the extra exchange hid the change ("in the morning" / "at night": 0.987).
+    from carpool.semantic.verifier import render_context
+
+    def context(*turns: str) -> str:
+        roles = ["user", "assistant"]
+        return render_context([{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)])
+
+    a = context(REFUND, "Take it in the morning.")
+    b = context(REFUND, "Take it at night.", "Got it.", "Good.")
+    for x, y in ((a, b), (b, a)):
+        (v,) = guard.judge_now(Side("What now?", x), [Side("What now?", y)], [1.0])
+        assert not v.ok and v.reason == Reason.CONTEXT, v
+
+
 def test_more_than_two_differing_earlier_turns_are_refused_unasked():
     verifier = FixedScore(1.0, 0.9)
     guard = RulesThenVerifier(verifier, rules=())

@@ -776,6 +776,22 @@ async def test_a_conversation_whose_earlier_answer_said_the_opposite_is_never_se
     assert response.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+@pytest.mark.parametrize("collapse", [False, True], ids=["as-sent", "white-space-collapsed"])
+async def test_an_earlier_answer_changed_beside_a_long_shared_turn_is_never_served(
+    gateway_with, fake, collapse
+):
+    # Collapsed white space joined the earlier turns into one line: read as one text, the long
+    # turn drowned the change ("in the morning" / "at night" 0.992, served).
+    def history(said: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": MEDICATIONS}, {"role": "assistant", "content": said}]
+
+    async with gateway_with(**SEMANTIC, fingerprint={"normalize_whitespace": collapse}) as gw:
+        await ask(gw, "So what should I do?", history=history("Take it in the morning."))
+        await stored(gw)
+        response = await ask(gw, "So what should I do?", history=history("Take it at night."))
+        assert response.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 async def test_a_changed_number_is_never_served(sgw, fake):
     await ask(sgw, "What is the baggage allowance for 2 passengers?")
     await stored(sgw)

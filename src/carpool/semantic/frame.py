@@ -17,8 +17,10 @@ development pairs: no decision changed (always scoring the core lost 7 true rewo
 Linear in the texts.
 
 ``turns(a, b)``: two conversations' earlier turns (``verifier.render_context``) as the pairs the
-verifier reads: where both hold as many turns of the same roles in order, each turn that
-differs, alone; the two whole where they do not; None (refused unasked) where more than
+verifier reads: each turn that differs, alone, where both hold as many turns of the same roles
+in order; None (refused unasked) where they do not (a turn on one side only: the verifier,
+asked about a text against nothing, scored an instruction against none 0.99; read whole, an
+extra exchange hid a change in another turn, 0.987-0.993, served) or where more than
 ``MAX_ALONE`` turns differ (a pair a turn: 280 turns made 2,240 model runs of one lookup).
 Read whole, a long shared turn drowned a change in another ("did not find some" / "...any",
 "take it in the morning" / "...at night" after a 40-word request: 0.985-0.992, served;
@@ -87,9 +89,9 @@ def turns(a: str, b: str) -> list[tuple[str, str]] | None:
     """Two contexts' pairs for the verifier, or None (the module's contract)."""
     x, y = _TURN.split(a), _TURN.split(b)
     if len(x) != len(y):
-        return [(a, b)]
+        return None
     pairs = list(zip(x, y, strict=True))
     if any(u.partition(":")[0] != v.partition(":")[0] for u, v in pairs):  # (the roles)
-        return [(a, b)]
+        return None
     differ = [(u, v) for u, v in pairs if u != v]
     return differ if len(differ) <= MAX_ALONE else None

@@ -37,8 +37,8 @@ builds; it also splits a judgement into ``scored`` (the rules and the model, onc
 ``decide`` (the thresholds), so that an evaluation can sweep the threshold without asking the
 model again. A side is a text (the last user turn, or the prompt) and its ``context`` (a
 conversation's earlier turns, ``verifier.render_context``; "" for a single turn). Both the
-texts and the contexts must pass the rules and the verifier (the contexts turn by turn where
-their turns align, ``frame.turns``, and saying as many negators); a text the same on both sides
+texts and the contexts must pass the rules and the verifier (the contexts turn by turn, as
+many of the same roles, ``frame.turns``, and saying as many negators); a text the same on both sides
 up to the case of plain words, sentence marks, quotes and brackets at a word's edges, and
 spacing (:func:`.retyping.retyped`: never a symbol, an emoji, an acronym's case or a line's
 indentation), or a context that is identical, is not asked about; contexts refused by the

@@ -74,7 +74,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
     bound = config.semantic.max_text_chars
     if len(text) > bound:
         return None
-    earlier = conversation(rest)
+    collapse = collapses(request, config)
+    earlier = conversation(rest, collapse)
     if earlier is None:
         return None
     context, rest = earlier
@@ -90,7 +91,6 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         return None
     if invisible(text) or invisible(context):
         return None
-    collapse = collapses(request, config)
     return SemanticView(
         digest(
             request,
@@ -101,7 +101,7 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
             canonical_body(request.kind, rest, collapse),
         ),
         normalize_text(text, collapse),
-        normalize_text(context, collapse),
+        context,  # (each turn's text normalised: collapsed whole, turns ran into one line)
     )
 
 
@@ -109,10 +109,11 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
 
 
-def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """A chat body's earlier turns as one text (``verifier.render_context``), and the body
-    without them: its instructions and the last turn's other fields stay in the scope; ("",
-    ``rest``) for a body with no earlier turns.
+def conversation(rest: dict[str, Any], collapse: bool = False) -> tuple[str, dict[str, Any]] | None:
+    """A chat body's earlier turns as one text (``verifier.render_context``, each turn's text
+    ``normalize_text``: ``collapse`` must not join the turns into one line, the guard reads
+    them one by one), and the body without them: its instructions and the last turn's other
+    fields stay in the scope; ("", ``rest``) for a body with no earlier turns.
 
     Only plain turns move out of the scope: a role and a string content, nothing else. A turn
     with tool calls or a tool result, a name, a role that is no string or content that is not a
@@ -144,7 +145,8 @@ def conversation(rest: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     chatter = 0
     while chatter < len(turns) and small_talk(turns[chatter]):
         chatter += 1
-    return render_context(turns[chatter:]), {**rest, "messages": [*instructions, last]}
+    said = [{**m, "content": normalize_text(m["content"], collapse)} for m in turns[chatter:]]
+    return render_context(said), {**rest, "messages": [*instructions, last]}
 
 
 #: The words of a user's small talk: greetings and thanks. A turn made only of these (and

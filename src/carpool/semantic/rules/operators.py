@@ -9,8 +9,8 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   ``~``, ``<<``, ``>>``), arrows (``->``, ``=>``, ``→``, ``←``, ``↑``, ``↓``...) and stars
   (``★``, ``☆``, each: a rating's count), which the verifier reads as near-equal ("CSV → JSON" /
   "CSV ← JSON" 0.986, "shows ↑" / "shows ↓" 0.993); two or more of "!" and "?" standing alone
-  before more words ("What does !! do") or ending both texts in other runs ("What does !!" /
-  "What does ??");
+  before more words ("What does !! do") or ending both texts apart from the last word in other
+  runs, two or more marks on a side ("What does !!" / "What does ??", "...is ??" / "...is ?");
 - the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
   "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
   ``<`` ("over", "under", "above", "below" only before an amount: "under $300", not "under
@@ -109,18 +109,19 @@ def _operators(text: str) -> tuple[str, ...]:
     return tuple(op for _, op in sorted(found))
 
 
-def _end_run(text: str) -> str | None:
-    """The marks ending ``text`` apart from its last word, two or more ("What does !!")."""
+def _end_run(text: str) -> str:
+    """The marks ending ``text`` apart from its last word ("What does !!"), or ""."""
     words = text.split()
-    last = words[-1] if words else ""
-    return last if len(last) > 1 and not last.strip("!?") and len(words) > 1 else None
+    last = words[-1] if len(words) > 1 else ""
+    return "" if last.strip("!?") else last
 
 
 def differs(a: str, b: str) -> bool:
     # Marks apart at the end end a sentence ("Why is it blue ??"), but two texts that both end
-    # so in other marks ask about them ("What does !!" / "What does ??", 0.995).
+    # so in other marks, two or more on a side, ask about them ("What does !!" / "What does
+    # ??" 0.995, "In C#, what is ??" / "...is ?" 0.983).
     x, y = _end_run(a), _end_run(b)
-    return _operators(a) != _operators(b) or (x is not None and y is not None and x != y)
+    return _operators(a) != _operators(b) or (bool(x and y) and x != y and max(len(x), len(y)) > 1)
 
 
 RULE = Rule(Reason.OPERATOR, differs)
