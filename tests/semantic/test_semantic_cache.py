@@ -51,6 +51,35 @@ async def served_again(gw, first, second):
     assert again.headers["x-carpool"] == "semantic-hit" and again.json() == answer.json()
 
 
+async def test_a_semantic_hit_says_its_usage_counts_another_prompt(sgw, fake):
+    """The answer served is another prompt's, its usage too: the stored prompt's tokens, not
+    the paraphrase's (6 for 9 here). Said, as an estimate or a missing count is, never
+    made up; an exact hit's usage is its own request's."""
+    first = await ask(sgw, "How do I reset my password?")
+    assert "x-carpool-usage" not in first.headers
+    await stored(sgw)
+    again = await ask(sgw, "I need to know how to reset my password?")
+    assert again.headers["x-carpool"] == "semantic-hit"
+    assert again.json()["usage"] == first.json()["usage"]
+    assert again.headers["x-carpool-usage"] == "other-prompt"
+    async with sgw.client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "I need to know how to reset my password?"}],
+        },
+    ) as streamed:
+        await streamed.aread()
+    assert streamed.headers["x-carpool"] == "semantic-hit"
+    assert streamed.headers["x-carpool-usage"] == "other-prompt"
+    exact = await ask(sgw, "How do I reset my password?")
+    assert exact.headers["x-carpool"] == "hit" and "x-carpool-usage" not in exact.headers
+
+
 @pytest.fixture
 async def sgw(gateway_with):
     async with gateway_with(**SEMANTIC) as served:

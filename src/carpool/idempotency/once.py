@@ -29,7 +29,8 @@ Contract:
   most RFC 9111's greatest, 2147483648),
   without calling upstream; a 422 (``IdempotencyFormatMismatch``) when it has no faithful
   form in that format. A list's item replayed from its record counts its age as well. A replay
-  says what its answer's ``x-carpool-usage`` says (``apportioned``, ``missing``), no other
+  says what its answer's ``x-carpool-usage`` says (``apportioned``, ``missing``,
+  ``other-prompt``), no other
   header but its content type (and, for a 5xx, ``x-should-retry: false``: a retry with the
   key gets it again): its record keeps no other (``records.replayable``); an answer of an API with streams is replayed with the usage
   the retry asks for, as a hit of it is served (``replay_as``): ``stream_options.include_usage``

@@ -188,8 +188,13 @@ def cached_endpoint(
                     "`stream_options.include_usage`); none is invented. `apportioned` "
                     "(embeddings): the input was merged into one upstream call with others and "
                     'its `usage` (marked `"apportioned": true`) is its share of that call\'s, '
-                    "by approximate tokens: an estimate, not the engine's count for it.",
-                    "schema": {"type": "string", "enum": ["missing", "apportioned"]},
+                    "by approximate tokens: an estimate, not the engine's count for it. "
+                    "`other-prompt` (a semantic hit): the answer, its `usage` too, is the "
+                    "stored prompt's, another prompt than the one asked.",
+                    "schema": {
+                        "type": "string",
+                        "enum": ["missing", "apportioned", "other-prompt"],
+                    },
                 },
             },
             "content": ok_content,
