@@ -800,11 +800,28 @@ def test_a_default_config_keeps_its_keys():
     what they were before those settings were keyed (pinned: a change of any key empties a
     fleet's shared cache at its upgrade, and must come with ``KEY_VERSION`` or
     ``ANSWER_EPOCH``)."""
-    assert keys_of(Config(), {"x-deployment": "beta"}) == (
+    answer, digest, semantic = keys_of(Config(), {"x-deployment": "beta"})
+    assert (answer, digest) == (
         "67d98a882467545047cd7148bfdef16b",
         "a99b68b0af065fc6a6d7c8db01fe457e",
-        "8c7bca84bcf78c52ed573404e07ee3b7",
     )
+    assert semantic == SEMANTIC_SCOPE
+
+
+#: The semantic scope of ``keys_of(Config(), {"x-deployment": "beta"})`` now, and before the
+#: earlier turns were normalised one by one (``view.SEMANTIC_FORMAT``).
+SEMANTIC_SCOPE = "b2fc8174dc8f7cb93eb463e166ebc8c2"
+SEMANTIC_SCOPE_BEFORE = "8c7bca84bcf78c52ed573404e07ee3b7"
+
+
+def test_an_upgrade_shares_no_semantic_entry_with_a_release_that_compared_otherwise():
+    """Before, a context collapsed whole ran its turns into one line, read as one turn: an
+    older instance's entry, on one Redis, met a newer's conversation with a turn on one side
+    only, read whole (served, similarity 1.0). The semantic scope moved; the answer keys, and
+    with them the exact cache, stay."""
+    answer, _, semantic = keys_of(Config(), {"x-deployment": "beta"})
+    assert semantic != SEMANTIC_SCOPE_BEFORE
+    assert answer == "67d98a882467545047cd7148bfdef16b"
 
 
 def test_an_upgrade_shares_no_answer_with_a_release_that_keyed_requests_together():

@@ -95,7 +95,7 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         digest(
             request,
             config,
-            "semantic",
+            f"semantic/{SEMANTIC_FORMAT}",
             key.tenant,
             key.namespace,
             canonical_body(request.kind, rest, collapse),
@@ -104,6 +104,12 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         context,  # (each turn's text normalised: collapsed whole, turns ran into one line)
     )
 
+
+#: The semantic scopes' label, with the format of what is compared: moved when that changes,
+#: so that a release shares no semantic entry with one that compared otherwise (the exact
+#: cache stays). 2: each earlier turn's text normalised apart (a context collapsed whole ran
+#: its turns into one line, read as one turn, and met a conversation with a turn more).
+SEMANTIC_FORMAT = 2
 
 #: Roles whose messages are instructions, matched exactly (in the scope), never by meaning.
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
