@@ -80,8 +80,8 @@ USAGE_MISSING = (b"x-carpool-usage", b"missing")
 # On an answer whose usage is a share of a merged embeddings call's: an estimate, not the
 # engine's own count for this input (``carpool.batching.embeddings``).
 USAGE_APPORTIONED = (b"x-carpool-usage", b"apportioned")
-# On a semantic hit's answer: its usage is the stored prompt's, another prompt than the one
-# asked (its tokens counted, not this one's).
+# On a semantic hit's answer: its usage (in the body, or the usage chunk a stream may be asked
+# for) is the stored prompt's, another prompt than the one asked (its tokens counted).
 USAGE_OTHER_PROMPT = (b"x-carpool-usage", b"other-prompt")
 
 
@@ -229,8 +229,10 @@ def whole(
     if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
         headers.append(age_header(answer.age(now)))
     said = usage_said(answer, stream, include_usage)
-    if said is None and outcome is Outcome.SEMANTIC_HIT and (not stream or include_usage):
-        said = USAGE_OTHER_PROMPT  # (no count of this prompt's was made: said, not made up)
+    if said is None and outcome is Outcome.SEMANTIC_HIT:
+        # No count of this prompt's was made: said, not made up; on every form (a stream
+        # without its usage chunk too), so that a keyed retry's replay in another says it.
+        said = USAGE_OTHER_PROMPT
     if said is not None:
         headers.append(said)
     if answer.no_store:

@@ -961,6 +961,12 @@ def test_operators_marks_standing_alone_are_what_is_asked_about():
     assert refused("In C#, what is ??", "In C#, what is ?") == "operator"
     assert refused("In Kotlin what does !!", "In Kotlin what does ?") == "operator"
     assert refused("In JavaScript what does !!", "In JavaScript what does !") == "operator"
+    # After a word that leaves the question open, a run ends it as what is asked about, against
+    # a mark after that word too ("In C#, what is?" 0.995 served).
+    assert refused("In C#, what is ??", "In C#, what is?") == "operator"
+    assert refused("In JavaScript what does !!", "In JavaScript what does!") == "operator"
+    assert refused("In Kotlin what does !!", "In Kotlin what does?") == "operator"
+    assert refused("What is the meaning of ??", "What is the meaning of?") == "operator"
     assert passes(operators.RULE, "What is it??", "What is it?")
     assert passes(operators.RULE, "Really!!", "Really?")
     # At the end, apart from the last word, a run ends the sentence: read only against another.

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -78,6 +79,42 @@ async def test_a_semantic_hit_says_its_usage_counts_another_prompt(sgw, fake):
     assert streamed.headers["x-carpool-usage"] == "other-prompt"
     exact = await ask(sgw, "How do I reset my password?")
     assert exact.headers["x-carpool"] == "hit" and "x-carpool-usage" not in exact.headers
+
+
+@pytest.mark.parametrize(
+    ("first", "retry"),
+    [
+        ((False, False), (False, False)),
+        ((False, False), (True, True)),
+        ((True, True), (False, False)),
+        ((True, True), (True, True)),
+        ((True, False), (False, False)),
+    ],
+    ids=["json-json", "json-sse", "sse-json", "sse-sse", "sse-without-usage-json"],
+)
+async def test_a_keyed_semantic_hit_replayed_in_any_format_says_its_usage_is_another_prompts(
+    sgw, fake, first, retry
+):
+    # A replay re-formed from its record (a stream as JSON, JSON as a stream) said only what
+    # the body says of its usage (missing, apportioned): the mark that it is another prompt's
+    # was lost, or never kept (a stream without the usage chunk).
+    def body(stream: bool, usage: bool) -> dict[str, Any]:
+        asked: dict[str, Any] = {
+            "model": "m",
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "I need to know how to reset my password?"}],
+        }
+        if stream:
+            asked = {**asked, "stream": True, "stream_options": {"include_usage": usage}}
+        return asked
+
+    await ask(sgw, "How do I reset my password?")
+    await stored(sgw)
+    key = {"Idempotency-Key": "k-1"}
+    hit = await sgw.client.post("/v1/chat/completions", json=body(*first), headers=key)
+    again = await sgw.client.post("/v1/chat/completions", json=body(*retry), headers=key)
+    assert hit.headers["x-carpool"] == "semantic-hit" and fake.count() == 1
+    assert hit.headers["x-carpool-usage"] == again.headers["x-carpool-usage"] == "other-prompt"
 
 
 @pytest.fixture

@@ -100,7 +100,10 @@ async def test_a_hung_upstream_embedder_delays_no_reply_past_its_timeout_each_a_
         # A scope without entries: no probe, the embedding begun with the call hangs.
         unprobed = await chat(gw, "How do I reset my router?", system="Answer in French.")
         assert unprobed.headers["x-carpool"] == "miss"
-        assert not app.released.is_set() and app.held >= 2  # answered, embeddings unanswered
+        # Answered, the embeddings unanswered. (At least the first held: on a busy machine the
+        # second may time out before its request reaches the app; it counts as failed all the
+        # same.)
+        assert not app.released.is_set() and app.held >= 1
         assert gw.gateway.semantic.embed_failures == 2
         assert gw.gateway.semantic.entries == 1  # no entry for a prompt not embedded in time
         assert app.inner.count("/v1/chat/completions") == 3

@@ -49,7 +49,7 @@ import orjson
 from ..answer import Answer
 from ..apis import APIS, Api
 from ..errors import UpstreamStreamBroken
-from ..reply import JSON, SSE, sse_of, usage_said
+from ..reply import JSON, SSE, USAGE_OTHER_PROMPT, sse_of, usage_said
 from .records import StoredResponse
 
 SSE_TYPE = b"text/event-stream"
@@ -133,7 +133,8 @@ def replayed(
     a stored stream is its frames as they were sent, with the usage chunk only if the retry
     asks for it (``include_usage``), or its body assembled for JSON; a stored JSON body is that
     body as it is, or synthesized into the API's stream, if complete; ``x-carpool-usage:
-    missing`` on what asks for a usage the engine did not report. Anything else (an error, an
+    missing`` on what asks for a usage the engine did not report, ``other-prompt`` where its
+    record says it (a semantic hit's). Anything else (an error, an
     embedding) is as it is in its own format, and has no form in the other: the upstream might
     have answered the other format differently."""
     api = APIS.get(kind)
@@ -152,6 +153,8 @@ def replayed(
         return same, 0 if same is not None else None
     headers = [SSE if stream else JSON]
     said = usage_said(answer, stream, include_usage)
+    if said is None and USAGE_OTHER_PROMPT in response.headers:
+        said = USAGE_OTHER_PROMPT  # (a semantic hit's: no mark in the body says it)
     if said is not None:
         headers.append(said)
     return StoredResponse(

@@ -10,7 +10,9 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   (``★``, ``☆``, each: a rating's count), which the verifier reads as near-equal ("CSV → JSON" /
   "CSV ← JSON" 0.986, "shows ↑" / "shows ↓" 0.993); two or more of "!" and "?" standing alone
   before more words ("What does !! do") or ending both texts apart from the last word in other
-  runs, two or more marks on a side ("What does !!" / "What does ??", "...is ??" / "...is ?");
+  runs, two or more marks on a side ("What does !!" / "What does ??", "...is ??" / "...is ?"),
+  or after a word that leaves the question open, whatever the other ends in ("In C#, what is
+  ??" / "...what is?");
 - the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
   "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
   ``<`` ("over", "under", "above", "below" only before an amount: "under $300", not "under
@@ -109,18 +111,29 @@ def _operators(text: str) -> tuple[str, ...]:
     return tuple(op for _, op in sorted(found))
 
 
-def _end_run(text: str) -> str:
-    """The marks ending ``text`` apart from its last word ("What does !!"), or ""."""
+#: Words after which a question is still open: a run of marks after one is what is asked about
+#: ("In C#, what is ??", "the meaning of !!").
+_OPEN = frozenset("is are was does do did means mean meaning of about use using called".split())
+
+
+def _end_run(text: str) -> tuple[str, bool]:
+    """The marks ending ``text`` apart from its last word ("What does !!"), or "", and whether
+    two or more of them follow a word that leaves the question open (asked about)."""
     words = text.split()
     last = words[-1] if len(words) > 1 else ""
-    return "" if last.strip("!?") else last
+    if last.strip("!?"):
+        return "", False
+    return last, len(last) > 1 and words[-2].lower().strip(",:;") in _OPEN
 
 
 def differs(a: str, b: str) -> bool:
     # Marks apart at the end end a sentence ("Why is it blue ??"), but two texts that both end
     # so in other marks, two or more on a side, ask about them ("What does !!" / "What does
-    # ??" 0.995, "In C#, what is ??" / "...is ?" 0.983).
-    x, y = _end_run(a), _end_run(b)
+    # ??" 0.995, "In C#, what is ??" / "...is ?" 0.983), as does a run after a word that leaves
+    # the question open, whatever the other ends in ("In C#, what is ??" / "...is?" 0.995).
+    (x, open_x), (y, open_y) = _end_run(a), _end_run(b)
+    if (open_x or open_y) and x != y:
+        return True
     return _operators(a) != _operators(b) or (bool(x and y) and x != y and max(len(x), len(y)) > 1)
 
 
