@@ -136,6 +136,25 @@ def test_english_only_off_compares_any_text_of_the_scripts_by_meaning():
     assert view_of("如何删除我的账户", english_only=False) is None
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Как не сбросить мой роутер?",
+        "Πώς να μην επαναφέρω τον δρομολογητή;",
+        "ルーターをリセットしない方法",
+    ],
+)
+def test_the_packaged_verifier_compares_no_script_it_cannot_read_whatever_scripts_says(text):
+    # It splits Cyrillic, Greek and kana into pieces it has (no unknown token to score 0), and
+    # scored their negations the same, 0.988-0.996: served with `scripts: ["*"]`.
+    from carpool.semantic.verifier import PACKAGED
+
+    assert view_of(text, english_only=False, scripts=["*"]) is None
+    # (A verifier of the operator's own reads what `scripts` says.)
+    own = view_of(text, english_only=False, scripts=["*"], verifier_dir=str(PACKAGED))
+    assert own is not None
+
+
 def test_other_scripts_never_read_as_english():
     for text in ("如何删除我的账户", "Привет, как дела?", "What does それでもまだ mean?"):
         assert not reads_english(text), text

@@ -15,7 +15,7 @@ view; nor has a text (or context) longer than ``semantic.max_text_chars`` (the c
 read every character on the event loop), one without a letter or a digit (empty, "?", "!!!":
 nothing to compare by meaning; "?" was served the answer to "" and "!" that to "?"), one with
 a letter of a script the model does not read
-(``semantic.scripts``), one that does not read as English (:func:`.english.reads_english`,
+(``semantic.scripts``; Latin only with the packaged verifier: :func:`read_scripts`), one that does not read as English (:func:`.english.reads_english`,
 while ``semantic.english_only``: the rules and the packaged verifier read English only) or a
 character the models drop unread (:func:`invisible`: a format or control character): it is matched
 exactly, never guessed at.
@@ -83,7 +83,8 @@ def semantic_view(request: Request, key: Fingerprint, config: Config) -> Semanti
         return None
     if not any(ch.isalnum() for ch in text):
         return None  # (no word: nothing a meaning could be read from)
-    if not (readable(text, config.semantic.scripts) and readable(context, config.semantic.scripts)):
+    scripts = read_scripts(config)
+    if not (readable(text, scripts) and readable(context, scripts)):
         return None
     # The rules' word lists and the packaged verifier are English, whatever the embedder: a
     # German negation scored 0.98+ against its affirmation (its words are all Latin letters).
@@ -203,6 +204,16 @@ def _instruction(message: Any) -> bool:
         return False
     role = message.get("role")
     return isinstance(role, str) and role in INSTRUCTION_ROLES
+
+
+def read_scripts(config: Config) -> list[str]:
+    """The scripts a text's letters may be of: ``semantic.scripts``, and with the packaged
+    verifier (no ``verifier_dir``) Latin only: it splits Cyrillic, Greek or kana into pieces of
+    its vocabulary (no unknown token to score 0) and scored their negations the same (0.99)."""
+    scripts = config.semantic.scripts
+    if config.semantic.verifier_dir is not None:
+        return scripts
+    return ["Latin"] if "*" in scripts or "LATIN" in {s.upper() for s in scripts} else []
 
 
 def readable(text: str, scripts: list[str]) -> bool:
