@@ -406,7 +406,8 @@ def build_idempotency(
 
 
 async def _via_replicas(layers: Layers, request: UpstreamRequest) -> UpstreamResponse:
-    response, _, _ = await layers.replicas.send(request, "")  # (not an upstream call saved)
+    # (Not an upstream call saved; its 5xx is about a client's text, not the replica: ``own``.)
+    response, _, _ = await layers.replicas.send(request, "", own=True)
     return response
 
 

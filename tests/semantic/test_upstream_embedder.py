@@ -221,6 +221,30 @@ async def test_an_upstream_embedder_with_no_credentials_is_warned_about_at_start
     assert not [r for r in caplog.records if "carry no credentials" in r.getMessage()]
 
 
+async def test_a_clients_text_the_embedder_answers_5xx_for_downs_no_replica(fake):
+    # llama.cpp answers 500 to an input past its batch: each long prompt's embedding downed the
+    # replica it went to (failed over to the other, downed too), for up to 60 s as they came,
+    # though it served every chat. Not the replica's failure: the gateway's own call, for a
+    # client's text; only an unreachable replica or a timeout says it is down.
+    other = FakeUpstream()
+    for each in (fake, other):
+        each.embedding_fn = by_words
+        each.fail_embeddings = lambda item: len(str(item).split()) > 300
+    long = "please tell me " + " ".join(["more about the history of the old city"] * 40)
+    semantic = {**UPSTREAM_EMBEDDER, "embedding_dim": 64}
+    async with (
+        serve_app(other) as other_url,
+        run_gateway([fake.url, f"{other_url}/v1"], semantic=semantic) as gw,
+    ):
+        for n in range(3):
+            assert (await gw.chat(f"{long} {n}")).status_code == 200
+        await eventually(lambda: gw.gateway.semantic.embed_failures == 3, what="the misses")
+        stats = (await gw.client.get("/stats")).json()
+    replicas = stats["replicas"].values()
+    assert all(r["state"] == "healthy" and r["failures"] == 0 for r in replicas), replicas
+    assert stats["routing"].get("failover", 0) == 0, stats["routing"]
+
+
 async def test_the_upstream_embedder_goes_through_the_replicas_health_and_failover(fake):
     # Two replicas, one down: the embeddings are sent as the gateway's own calls are (the
     # downed replica left out, a failed attempt retried once on the other) and counted in

@@ -406,7 +406,8 @@ class SemanticConfig(Section):
         description="local: the packaged "
         "sentence model; upstream: the upstream's "
         "/v1/embeddings with `embedding_model`, sent through the replicas as the gateway's own "
-        "calls are (health, back-off, one failover; counted in `upstream_calls`).",
+        "calls are (health, back-off, one failover; counted in `upstream_calls`; a 5xx answer "
+        "is about the text, no verdict on the replica).",
     )
     embedding_model: str = Field(
         "text-embedding-3-small",

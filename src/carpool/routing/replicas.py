@@ -59,7 +59,10 @@ all, and so whether ``text`` matters):
   and the call fails over. Either way it downs the replica. Every 5xx downs its replica (but
   501 and 505, about the call: an engine without the endpoint, as llama.cpp's embeddings when
   off, answers it on every replica), also one the engine returns for this input only: with
-  several replicas that costs a retry and a back-off, not the request. So does a redirect (but
+  several replicas that costs a retry and a back-off, not the request; but not one to the
+  gateway's own calls about a client's text (``send(..., own=True)``: an embedding, a judge's
+  question), returned as it is, not tried elsewhere: one tenant's long prompts, past llama.cpp's
+  batch, downed every replica for up to 60 s while it served their chats. So does a redirect (but
   304), a 1xx taken as final or a status past 599: no answer, the gateway's 502 (``exchange``),
   failed over as a 5xx is. 4xx answers count as
   healthy (the replica answered), and so does a 401/403 to the gateway's own key
@@ -355,9 +358,12 @@ class ReplicaSet:
         text: str = "",
         holder: str | None = None,
         scope: bytes = b"",
+        own: bool = False,
     ) -> tuple[UpstreamResponse, ReplicaState, Decision]:
         """Send ``request`` (prompt ``text``, in ``scope``: ``RoutingPolicy``) to a replica,
-        failing over once; see the module doc.
+        failing over once; see the module doc. ``own``: the gateway's own call about a client's
+        text (an embedding, a judge's question): a 5xx answer to it is no verdict on the
+        replica (llama.cpp answers 500 to an input past its batch) and is not tried elsewhere.
 
         Raises the last ``UpstreamUnreachable`` / ``UpstreamTimeout`` when every attempt failed.
         """
@@ -445,6 +451,9 @@ class ReplicaSet:
                 self._observe(replica, response.status, decision)
                 if _answered(response.status):
                     self._succeeded(replica)
+                    return response, replica, decision
+                if own:
+                    replica.probing = False  # (no verdict: the input's, as far as is known)
                     return response, replica, decision
                 self._failed(replica, f"answered {response.status}", seen)
                 retry = another()
