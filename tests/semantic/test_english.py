@@ -155,6 +155,24 @@ def test_the_packaged_verifier_compares_no_script_it_cannot_read_whatever_script
     assert own is not None
 
 
+@pytest.mark.parametrize("collapse", [False, True])
+def test_an_earlier_turn_holding_a_character_the_models_drop_has_no_semantic_view(collapse):
+    # Each turn normalised before the turns were joined, a collapse turned a vertical tab or a
+    # C1 control into a space before the check read the context: a view, where the last turn
+    # with the same character got none.
+    config = Config.model_validate(
+        {"fingerprint": {"normalize_whitespace": collapse}, "semantic": {}}
+    )
+    messages = [
+        {"role": "user", "content": "Is the pharmacy open?\x0bIt is late."},
+        {"role": "assistant", "content": "It is open."},
+        {"role": "user", "content": "How do I get there?"},
+    ]
+    body = {"model": "m", "temperature": 0, "messages": messages}
+    request = parse(ClientRequest("/v1/chat/completions", orjson.dumps(body), {}), 1 << 20)
+    assert semantic_view(request, fingerprint(request, config), config) is None
+
+
 def test_other_scripts_never_read_as_english():
     for text in ("如何删除我的账户", "Привет, как дела?", "What does それでもまだ mean?"):
         assert not reads_english(text), text

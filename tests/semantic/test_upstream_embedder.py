@@ -419,3 +419,25 @@ async def test_an_embedding_dim_the_model_does_not_answer_is_named_once_with_bot
         and "semantic.embedding_dim" in stats["embed_problem"]
     )
     assert stats["embed_failures"] >= 6 and stats["entries"] == 0
+
+
+async def test_an_embedding_dim_problem_is_over_once_the_model_answers_that_length_again():
+    # It stayed in /stats after the model answered the right length again (a paraphrase was a
+    # hit meanwhile): an operator told to change the setting would break a working config.
+    fake = FakeUpstream()
+    semantic = {**UPSTREAM_EMBEDDER, "embedding_dim": 16}
+    async with serve_app(fake) as url, run_gateway([url + "/v1"], semantic=semantic) as gw:
+        assert (await chat(gw, "How do I reset my router?")).headers["x-carpool"] == "miss"
+        await eventually(lambda: gw.gateway.semantic.embed_problem is not None, what="it")
+        fake.embedding_fn = lambda text: [1.0] + [0.0] * 15
+
+        async def asked_again() -> bool:
+            await chat(gw, "How do I reset my modem?")
+            return gw.gateway.semantic.embed_problem is None
+
+        for _ in range(50):  # (the breaker tries again once a second)
+            if await asked_again():
+                break
+            await asyncio.sleep(0.1)
+        stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
+    assert stats["embed_problem"] is None

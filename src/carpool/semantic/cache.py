@@ -30,8 +30,8 @@ Contract:
   (``Probe.failed``: not asked again for the entry). Vectors of another length than
   ``semantic.embedding_dim`` (``EmbeddingDimMismatch``: a setting to correct, every embedding
   fails until it is) are logged once, as an error naming the key and both lengths (no text),
-  and kept in ``embed_problem`` (``/stats`` ``layers.semantic.embed_problem``); the breaker's
-  refusals that follow are counted, not logged.
+  and kept in ``embed_problem`` (``/stats`` ``layers.semantic.embed_problem``) until a vector
+  is made again; the breaker's refusals that follow are counted, not logged.
 - ``insert`` stores a complete answer under its scope with the policies of the exact cache
   (expiry from the type's TTL, tags, namespace, prompt prefix for invalidation). At most
   ``semantic.max_entries`` entries and ``semantic.max_bytes`` bytes: the least recently used go
@@ -374,7 +374,14 @@ class SemanticCache:
 
     async def vector(self, view: SemanticView) -> Any:
         """The embedding ``insert`` would compute for ``view`` (``focus(view).text``)."""
-        return await self.embedder.embed(focus(view).text)
+        return await self._embed(focus(view).text)
+
+    async def _embed(self, text: str) -> Any:
+        """The embedder's vector of ``text``: one made says the problem kept is over (an
+        operator told to change the setting would break a config that works again)."""
+        vector = await self.embedder.embed(text)
+        self.embed_problem = None
+        return vector
 
     async def probe(
         self,
@@ -389,7 +396,7 @@ class SemanticCache:
         if index is None:
             return Probe()  # nothing to compare with: no embedding needed
         try:
-            vector = await self.embedder.embed(view.text)
+            vector = await self._embed(view.text)
         except Exception as error:  # (the cache's failure, not the request's: a miss)
             self.embed_failed(error)
             return Probe(failed=True)
@@ -550,7 +557,7 @@ class SemanticCache:
         self._reap()
         view = focus(view)
         if vector is None:
-            vector = await self.embedder.embed(view.text)
+            vector = await self._embed(view.text)
         old = self._by_text.get((view.scope, view.context, view.text))
         older = None if old is None else self._entries.peek(old)
         if older is not None:

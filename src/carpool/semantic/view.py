@@ -152,6 +152,8 @@ def conversation(rest: dict[str, Any], collapse: bool = False) -> tuple[str, dic
     chatter = 0
     while chatter < len(turns) and small_talk(turns[chatter]):
         chatter += 1
+    if any(invisible(m["content"]) for m in turns[chatter:]):
+        return None  # (read before a collapse makes spaces of some: as the last turn is)
     said = [{**m, "content": normalize_text(m["content"], collapse)} for m in turns[chatter:]]
     return render_context(said), {**rest, "messages": [*instructions, last]}
 
