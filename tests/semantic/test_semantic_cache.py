@@ -1277,6 +1277,21 @@ def two_semantic(fake, shared_redis):
     return start
 
 
+async def caught_up(gw, received: int, invalidations: int):
+    """Wait for ``gw`` (started later) to read the records stored before it started; its
+    semantic cache."""
+    semantic = gw.gateway.semantic
+    await eventually(
+        lambda: (
+            semantic.counts["received"] == received
+            and semantic.counts["invalidations_received"] == invalidations
+        ),
+        what="the records stored before it started",
+        state=lambda: semantic.counts,
+    )
+    return semantic
+
+
 async def propagated(gw, n=1, since=None):
     """Wait for ``n`` entries on ``gw``; the delay in s since ``since`` (a
     ``time.perf_counter()``, default now), printed where a test reports it."""
@@ -1326,15 +1341,7 @@ async def test_an_instance_started_after_answers_were_stored_serves_them_as_sema
             what="the three entries and the invalidation on the stream",
         )
         async with run_later() as c:
-            semantic = c.gateway.semantic
-            await eventually(
-                lambda: (
-                    semantic.counts["received"] == 3
-                    and semantic.counts["invalidations_received"] == 1
-                ),
-                what="C reading the records stored before it started",
-                state=lambda: semantic.counts,
-            )
+            semantic = await caught_up(c, received=3, invalidations=1)
             assert semantic.counts["lost"] == semantic.counts["forgotten"] == 0
             calls = fake.count()
             for asked, stored in (
@@ -1501,15 +1508,7 @@ async def test_an_instance_started_later_serves_entries_made_after_the_streams_p
         egg = await ask(a, "How long should I boil an egg?")
         await eventually(lambda: a.gateway.semantic.counts["published"] == 4, what="A's records")
         async with run_later() as c:
-            semantic = c.gateway.semantic
-            await eventually(
-                lambda: (
-                    semantic.counts["received"] == 2
-                    and semantic.counts["invalidations_received"] == 2
-                ),
-                what="C reading the records stored before it started",
-                state=lambda: semantic.counts,
-            )
+            await caught_up(c, received=2, invalidations=2)
             for asked, stored in (
                 ("How can I sharpen a pocket knife?", knife),  # (made after the prefix's)
                 ("how long should i boil an egg", egg),
