@@ -150,9 +150,22 @@ def test_the_packaged_verifier_compares_no_script_it_cannot_read_whatever_script
     from carpool.semantic.verifier import PACKAGED
 
     assert view_of(text, english_only=False, scripts=["*"]) is None
-    # (A verifier of the operator's own reads what `scripts` says.)
-    own = view_of(text, english_only=False, scripts=["*"], verifier_dir=str(PACKAGED))
-    assert own is not None
+    # Named as a folder of one's own, the packaged verifier is still the same model.
+    assert view_of(text, english_only=False, scripts=["*"], verifier_dir=str(PACKAGED)) is None
+
+
+def test_a_verifier_reads_the_scripts_its_folder_names(tmp_path):
+    # (A verifier of the operator's own, trained on other languages, says so in verifier.json.)
+    from carpool.semantic.verifier import PACKAGED
+
+    for name in ("model.onnx", "tokenizer.json"):
+        (tmp_path / name).write_bytes((PACKAGED / name).read_bytes())
+    meta = json.loads((PACKAGED / "verifier.json").read_text())
+    (tmp_path / "verifier.json").write_text(json.dumps({**meta, "scripts": ["Latin", "Cyrillic"]}))
+    text = "Как не сбросить мой роутер?"
+    own = {"english_only": False, "verifier_dir": str(tmp_path)}
+    assert view_of(text, scripts=["*"], **own) is not None
+    assert view_of(text, scripts=["Latin"], **own) is None  # (and what `scripts` lets through)
 
 
 @pytest.mark.parametrize("collapse", [False, True])

@@ -967,6 +967,20 @@ def test_operators_marks_standing_alone_are_what_is_asked_about():
     assert refused("In JavaScript what does !!", "In JavaScript what does!") == "operator"
     assert refused("In Kotlin what does !!", "In Kotlin what does?") == "operator"
     assert refused("What is the meaning of ??", "What is the meaning of?") == "operator"
+    assert refused("In C#, what's ??", "In C#, what's?") == "operator"
+    assert refused("In C#, what is ??.", "In C#, what is?") == "operator"
+    assert refused("In C#, what is (??)", "In C#, what is?") == "operator"
+    assert refused("What is the Kotlin operator !!", "What is the Kotlin operator?") == "operator"
+    assert refused("In JavaScript, define ??", "In JavaScript, define?") == "operator"
+    # A question complete before the run is no operator's: its retyping is served.
+    for asked in (
+        "What does YOLO mean",
+        "What is this article about",
+        "What is glass made of",
+        "Which language should I use",
+        "What is the tallest mountain called",
+    ):
+        assert passes(operators.RULE, f"{asked} ??", f"{asked}?"), asked
     assert passes(operators.RULE, "What is it??", "What is it?")
     assert passes(operators.RULE, "Really!!", "Really?")
     # At the end, apart from the last word, a run ends the sentence: read only against another.

@@ -322,9 +322,10 @@ class SemanticConfig(Section):
         "semantic view: exact matching only, never a guess (the packaged English model maps "
         "most Chinese characters to one unknown token). Within them, while `english_only`, only "
         "a text that reads as English is compared by meaning: widening this alone (with a "
-        "multilingual `embedder: upstream`) compares no other language. With the packaged "
-        "verifier (no `verifier_dir`) only Latin letters are read, whatever this says: it "
-        "scored Cyrillic, Greek and kana negations the same as their affirmations (0.99).",
+        "multilingual `embedder: upstream`) compares no other language. Narrowed to the "
+        "scripts the verifier's verifier.json names (`scripts`; Latin where it names none, as "
+        "the packaged one's: it scored Cyrillic, Greek and kana negations the same as their "
+        "affirmations, 0.99).",
     )
     english_only: bool = Field(
         True,

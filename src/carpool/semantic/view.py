@@ -14,18 +14,21 @@ plain (a tool call or result, a name, non-string content, a late instruction) ha
 view; nor has a text (or context) longer than ``semantic.max_text_chars`` (the checks below
 read every character on the event loop), one without a letter or a digit (empty, "?", "!!!":
 nothing to compare by meaning; "?" was served the answer to "" and "!" that to "?"), one with
-a letter of a script the model does not read
-(``semantic.scripts``; Latin only with the packaged verifier: :func:`read_scripts`), one that does not read as English (:func:`.english.reads_english`,
-while ``semantic.english_only``: the rules and the packaged verifier read English only) or a
-character the models drop unread (:func:`invisible`: a format or control character): it is matched
-exactly, never guessed at.
+a letter of a script the models do not read (``semantic.scripts``, narrowed to the verifier's:
+:func:`read_scripts`; Latin only with the packaged one), one that does not read as English
+(:func:`.english.reads_english`, while ``semantic.english_only``: the rules and the packaged
+verifier read English only) or a character the models drop unread (:func:`invisible`: a
+format or control character): it is matched exactly, never guessed at.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..canonical import canonical_body, collapses, digest, normalize_text
@@ -33,7 +36,7 @@ from ..config import Config
 from ..request import Request
 from .english import reads_english, script
 from .retyping import UNREAD
-from .verifier import render_context
+from .verifier import PACKAGED, SETTINGS_FILE, render_context
 
 if TYPE_CHECKING:
     from ..fingerprint import Fingerprint
@@ -209,13 +212,34 @@ def _instruction(message: Any) -> bool:
 
 
 def read_scripts(config: Config) -> list[str]:
-    """The scripts a text's letters may be of: ``semantic.scripts``, and with the packaged
-    verifier (no ``verifier_dir``) Latin only: it splits Cyrillic, Greek or kana into pieces of
-    its vocabulary (no unknown token to score 0) and scored their negations the same (0.99)."""
-    scripts = config.semantic.scripts
-    if config.semantic.verifier_dir is not None:
+    """The scripts a text's letters may be of: those of ``semantic.scripts`` the verifier reads
+    (``verifier_scripts``: the packaged one Latin only; it splits Cyrillic, Greek or kana into
+    pieces of its vocabulary, no unknown token to score 0, and scored their negations the
+    same, 0.99)."""
+    scripts, reads = config.semantic.scripts, verifier_scripts(config.semantic.verifier_dir)
+    if "*" in reads:
         return scripts
-    return ["Latin"] if "*" in scripts or "LATIN" in {s.upper() for s in scripts} else []
+    if "*" in scripts:
+        return list(reads)
+    wanted = {s.upper() for s in scripts}
+    return [s for s in reads if s.upper() in wanted]
+
+
+@functools.lru_cache(maxsize=8)
+def verifier_scripts(folder: str | None) -> tuple[str, ...]:
+    """The scripts the verifier in ``folder`` (None: the packaged one) reads: its
+    ``verifier.json``'s ``scripts``, Latin where it names none (trained on English, as
+    ``scripts/train_verifier.py`` trains it), whatever the folder is called."""
+    try:
+        meta = json.loads(
+            (Path(folder) if folder else PACKAGED).joinpath(SETTINGS_FILE).read_text()
+        )
+    except (OSError, ValueError):
+        return ("Latin",)  # (unreadable: the verifier's own load says why)
+    named = meta.get("scripts") if isinstance(meta, dict) else None
+    if isinstance(named, list) and named and all(isinstance(s, str) for s in named):
+        return tuple(named)
+    return ("Latin",)
 
 
 def readable(text: str, scripts: list[str]) -> bool:

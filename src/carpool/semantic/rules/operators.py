@@ -11,8 +11,9 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   "CSV ← JSON" 0.986, "shows ↑" / "shows ↓" 0.993); two or more of "!" and "?" standing alone
   before more words ("What does !! do") or ending both texts apart from the last word in other
   runs, two or more marks on a side ("What does !!" / "What does ??", "...is ??" / "...is ?"),
-  or after a word that leaves the question open, whatever the other ends in ("In C#, what is
-  ??" / "...what is?");
+  or after what leaves the question open ("what is", "what's", "the meaning of", "operator",
+  "define"), whatever the other ends in ("In C#, what is ??" / "...what is?"; not "What does
+  YOLO mean ??", a question complete before its marks);
 - the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
   "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
   ``<`` ("over", "under", "above", "below" only before an amount: "under $300", not "under
@@ -111,26 +112,36 @@ def _operators(text: str) -> tuple[str, ...]:
     return tuple(op for _, op in sorted(found))
 
 
-#: Words after which a question is still open: a run of marks after one is what is asked about
-#: ("In C#, what is ??", "the meaning of !!").
-_OPEN = frozenset("is are was does do did means mean meaning of about use using called".split())
+#: What leaves a question open before a run of marks: the run is then what is asked about
+#: ("In C#, what is ??", "what's ??", "the meaning of !!", "the operator ??", "define ??"); a
+#: question complete before it ("What does YOLO mean ??", "What is glass made of ??") ends so.
+_ASKING = frozenset("what's whats operator operators define explain".split())
+_VERBS = frozenset("is are was does do did means".split())
+_WH = frozenset("what how which".split())
 
 
 def _end_run(text: str) -> tuple[str, bool]:
-    """The marks ending ``text`` apart from its last word ("What does !!"), or "", and whether
-    two or more of them follow a word that leaves the question open (asked about)."""
-    words = text.split()
+    """The marks ending ``text`` apart from its last word ("What does !!"; a mark or bracket
+    around them aside: "??.", "(??)"), or "", and whether two or more of them follow what
+    leaves the question open (``_ASKING``: asked about)."""
+    words = [w.strip(".,:;()[]").lower() for w in text.split()]
     last = words[-1] if len(words) > 1 else ""
-    if last.strip("!?"):
+    if not last or last.strip("!?"):
         return "", False
-    return last, len(last) > 1 and words[-2].lower().strip(",:;") in _OPEN
+    before = words[-2]
+    open_ = (
+        before in _ASKING
+        or (before in _VERBS and len(words) > 2 and words[-3].strip(",") in _WH)
+        or (before == "of" and len(words) > 2 and words[-3] == "meaning")
+    )
+    return last, len(last) > 1 and open_
 
 
 def differs(a: str, b: str) -> bool:
     # Marks apart at the end end a sentence ("Why is it blue ??"), but two texts that both end
     # so in other marks, two or more on a side, ask about them ("What does !!" / "What does
-    # ??" 0.995, "In C#, what is ??" / "...is ?" 0.983), as does a run after a word that leaves
-    # the question open, whatever the other ends in ("In C#, what is ??" / "...is?" 0.995).
+    # ??" 0.995, "In C#, what is ??" / "...is ?" 0.983), as does a run after what leaves the
+    # question open, whatever the other ends in ("In C#, what is ??" / "...is?" 0.995).
     (x, open_x), (y, open_y) = _end_run(a), _end_run(b)
     if (open_x or open_y) and x != y:
         return True
