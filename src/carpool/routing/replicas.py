@@ -59,12 +59,12 @@ all, and so whether ``text`` matters):
   and the call fails over. Either way it downs the replica. Every 5xx downs its replica (but
   501 and 505, about the call: an engine without the endpoint, as llama.cpp's embeddings when
   off, answers it on every replica), also one the engine returns for this input only: with
-  several replicas that costs a retry and a back-off, not the request; but not one to the
-  gateway's own calls about a client's text (``send(..., own=True)``: an embedding, a judge's
-  question), returned as it is, not tried elsewhere: one tenant's long prompts, past llama.cpp's
-  batch, downed every replica for up to 60 s while it served their chats. So does a redirect (but
+  several replicas that costs a retry and a back-off, not the request. So does a redirect (but
   304), a 1xx taken as final or a status past 599: no answer, the gateway's 502 (``exchange``),
-  failed over as a 5xx is. 4xx answers count as
+  failed over as a 5xx is. A 5xx to the gateway's own calls about a client's text
+  (``send(..., own=True)``: an embedding, a judge's question) downs nothing: returned as it
+  is, no verdict, not tried elsewhere (one tenant's long prompts, past llama.cpp's batch,
+  downed every replica for up to 60 s while they served its chats). 4xx answers count as
   healthy (the replica answered), and so does a 401/403 to the gateway's own key
   (``UpstreamKeyRefused``, raised as it is, not failed over) when every replica is called with
   the same key: as often about the request (a model the account may not use) as about the key,

@@ -7,23 +7,24 @@ computing :)" 0.993 (0.119 without), "How do I bake bread!" / "How do I bake cak
 "ok :)" / "no :)" 0.994; chat filler did the same ("... lol", "... pls"). Two parts:
 
 - ``RULE``: the emoticons of each side (``:)``, ``:-(``, ``;)``, ``:D``, ``xD``, ``<3``,
-  ``^_^``...; a nose or a repeated mouth read as one: ``:-)))`` is ``:)``), as a multiset, must
-  be equal: "I got the job :)" and "I got the job :(" are answered differently, and the
-  verifier, which reads them without (below), cannot tell; and filler on both sides must be
-  of the same kinds (thanks, please, a laugh, a pause, an ok): "Japanese for thanks?" /
-  "...for please?" scored 0.996.
+  ``^_^``, ``(:``, a cheer...; a nose or a repeated mouth read as one: ``:-)))`` is ``:)``),
+  as a multiset, must be equal: "I got the job :)" and "I got the job :(" are answered
+  differently, and the verifier, which reads them without (below), cannot tell; and filler on
+  both sides must be of the same kinds (thanks, please, a laugh, a pause, an ok): "Japanese
+  for thanks?" / "...for please?" scored 0.996.
 - :func:`reading`: the text the verifier may be given (``guard.read``: where both sides left
   out the same; else the texts as sent) and what it left out: emoticons (with the space
   before each: no other spacing moves); chat filler ("lol", "haha", "pls", "thx", "hmm",
   "ok") and politeness ("please", "thanks", "thank you (so much) (in advance)") at a clause's
   start or end (inside one, the word is what is asked about: "Is it rude to say lol in a
   work email?"); a sentence said twice in a row, word for word (line breaks and indents
-  kept). A run of "!", "?" and "." (an ellipsis) after a letter is read as one mark ("?" if
-  it holds one, else "."). An ellipsis after no word and brackets stay ("( If any )" read
-  without its brackets was served for another question). What the rules read is the text as
-  sent; only the model's view is plainer, as the texts it learned from were. Linear in the
-  text, as every rule (possessive repeats, no pattern tried again shorter: a first version
-  took 6.7 s on "!" * 1,024 + "x").
+  kept). A run of "!", "?" and "." or "…" (an ellipsis) after a letter is read as one mark
+  ("?" if it holds one, else "."), at the text's end spaced from it too ("bread ! ! !"), with
+  the "1"s of "!!1" where it holds two "!" or more (not "x!1"). An ellipsis after no word and
+  brackets stay ("( If any )" read without its brackets was served for another question).
+  What the rules read is the text as sent; only the model's view is plainer, as the texts it
+  learned from were. Linear in the text, as every rule (possessive repeats, no pattern tried
+  again shorter: a first version took 6.7 s on "!" * 1,024 + "x").
 """
 
 from __future__ import annotations
