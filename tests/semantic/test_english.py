@@ -186,6 +186,19 @@ def test_an_earlier_turn_holding_a_character_the_models_drop_has_no_semantic_vie
     assert semantic_view(request, fingerprint(request, config), config) is None
 
 
+@pytest.mark.parametrize("named", ["Cyrillic", [], ["Latin", 5]])
+def test_a_verifier_folder_naming_its_scripts_wrongly_is_refused_at_load(tmp_path, named):
+    # Read as Latin, silently: a Cyrillic verifier's texts were exact-only, nothing said why.
+    from carpool.semantic.verifier import PACKAGED
+
+    for name in ("model.onnx", "tokenizer.json"):
+        (tmp_path / name).write_bytes((PACKAGED / name).read_bytes())
+    meta = json.loads((PACKAGED / "verifier.json").read_text())
+    (tmp_path / "verifier.json").write_text(json.dumps({**meta, "scripts": named}))
+    with pytest.raises(ValueError, match="scripts"):
+        Config.model_validate({"semantic": {"verifier_dir": str(tmp_path)}})
+
+
 def test_other_scripts_never_read_as_english():
     for text in ("如何删除我的账户", "Привет, как дела?", "What does それでもまだ mean?"):
         assert not reads_english(text), text

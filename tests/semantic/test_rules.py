@@ -972,14 +972,18 @@ def test_operators_marks_standing_alone_are_what_is_asked_about():
     assert refused("In C#, what is (??)", "In C#, what is?") == "operator"
     assert refused("What is the Kotlin operator !!", "What is the Kotlin operator?") == "operator"
     assert refused("In JavaScript, define ??", "In JavaScript, define?") == "operator"
-    # A question complete before the run is no operator's: its retyping is served.
     for asked in (
-        "What does YOLO mean",
-        "What is this article about",
-        "What is glass made of",
-        "Which language should I use",
-        "What is the tallest mountain called",
+        "In C#, tell me about",
+        "In C#, how do I use",
+        "In C#, what is the purpose of",
+        "In Kotlin, why use",
+        "In C#, what is the",
+        "In C#, explain the",
     ):
+        assert refused(f"{asked} ??", f"{asked}?") == "operator", asked
+    assert refused("In C#, what is {??}", "In C#, what is?") == "operator"
+    # A question complete before the run is no operator's: its retyping is served.
+    for asked in ("What does YOLO mean", "What is the tallest mountain called", "What is it"):
         assert passes(operators.RULE, f"{asked} ??", f"{asked}?"), asked
     assert passes(operators.RULE, "What is it??", "What is it?")
     assert passes(operators.RULE, "Really!!", "Really?")

@@ -385,6 +385,10 @@ class SemanticConfig(Section):
             path = folder / name
             if not (path.is_file() and os.access(path, os.R_OK)):
                 raise ValueError(f"no {what} in {value}: it holds no readable {name}")
+        if what == "verifier":
+            from ..semantic.view import verifier_scripts
+
+            verifier_scripts(value)  # (the scripts it names, if any, named as a list)
         return value
 
     verifier_threshold: float | None = Field(

@@ -229,17 +229,19 @@ def read_scripts(config: Config) -> list[str]:
 def verifier_scripts(folder: str | None) -> tuple[str, ...]:
     """The scripts the verifier in ``folder`` (None: the packaged one) reads: its
     ``verifier.json``'s ``scripts``, Latin where it names none (trained on English, as
-    ``scripts/train_verifier.py`` trains it), whatever the folder is called."""
+    ``scripts/train_verifier.py`` trains it), whatever the folder is called. ``ValueError`` for
+    one that names them otherwise than as a list of names (checked when the config loads)."""
+    path = (Path(folder) if folder else PACKAGED) / SETTINGS_FILE
     try:
-        meta = json.loads(
-            (Path(folder) if folder else PACKAGED).joinpath(SETTINGS_FILE).read_text()
-        )
+        meta = json.loads(path.read_text())
     except (OSError, ValueError):
         return ("Latin",)  # (unreadable: the verifier's own load says why)
     named = meta.get("scripts") if isinstance(meta, dict) else None
-    if isinstance(named, list) and named and all(isinstance(s, str) for s in named):
-        return tuple(named)
-    return ("Latin",)
+    if named is None:
+        return ("Latin",)
+    if not (isinstance(named, list) and named and all(isinstance(s, str) for s in named)):
+        raise ValueError(f"{path}: 'scripts' must be a list of script names (or [\"*\"])")
+    return tuple(named)
 
 
 def readable(text: str, scripts: list[str]) -> bool:

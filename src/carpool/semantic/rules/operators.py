@@ -11,8 +11,8 @@ and "x = 1" are different code. The operators of each side, in order, must be eq
   "CSV ← JSON" 0.986, "shows ↑" / "shows ↓" 0.993); two or more of "!" and "?" standing alone
   before more words ("What does !! do") or ending both texts apart from the last word in other
   runs, two or more marks on a side ("What does !!" / "What does ??", "...is ??" / "...is ?"),
-  or after what leaves the question open ("what is", "what's", "the meaning of", "operator",
-  "define"), whatever the other ends in ("In C#, what is ??" / "...what is?"; not "What does
+  or after what leaves the question open ("what is", "what's", "the purpose of", "use",
+  "about", "the", "operator", "define"), whatever the other ends in ("In C#, what is ??" / "...what is?"; not "What does
   YOLO mean ??", a question complete before its marks);
 - the words of comparison, each read as its symbol: "greater/more/larger/bigger/higher than",
   "above", "over", "exceeds" as ``>``; "less/fewer/smaller/lower than", "below", "under" as
@@ -113,9 +113,14 @@ def _operators(text: str) -> tuple[str, ...]:
 
 
 #: What leaves a question open before a run of marks: the run is then what is asked about
-#: ("In C#, what is ??", "what's ??", "the meaning of !!", "the operator ??", "define ??"); a
-#: question complete before it ("What does YOLO mean ??", "What is glass made of ??") ends so.
-_ASKING = frozenset("what's whats operator operators define explain".split())
+#: ("In C#, what is ??", "what's ??", "the purpose of !!", "how do I use ??", "tell me about
+#: ??", "the operator ??", "define ??"); a question complete before it ("What does YOLO mean
+#: ??", "What is it ??") ends so. (A preposition may end a complete one, "What is glass made of
+#: ??": refused against "...of?", a hit given up.)
+_ASKING = frozenset(
+    """what's whats operator operators define explain about of for with on regarding use using
+    the a an""".split()
+)
 _VERBS = frozenset("is are was does do did means".split())
 _WH = frozenset("what how which".split())
 
@@ -124,15 +129,13 @@ def _end_run(text: str) -> tuple[str, bool]:
     """The marks ending ``text`` apart from its last word ("What does !!"; a mark or bracket
     around them aside: "??.", "(??)"), or "", and whether two or more of them follow what
     leaves the question open (``_ASKING``: asked about)."""
-    words = [w.strip(".,:;()[]").lower() for w in text.split()]
+    words = [w.strip(".,:;()[]{}").lower() for w in text.split()]
     last = words[-1] if len(words) > 1 else ""
     if not last or last.strip("!?"):
         return "", False
     before = words[-2]
-    open_ = (
-        before in _ASKING
-        or (before in _VERBS and len(words) > 2 and words[-3].strip(",") in _WH)
-        or (before == "of" and len(words) > 2 and words[-3] == "meaning")
+    open_ = before in _ASKING or (
+        before in _VERBS and len(words) > 2 and words[-3].strip(",") in _WH
     )
     return last, len(last) > 1 and open_
 
