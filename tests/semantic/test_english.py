@@ -186,7 +186,7 @@ def test_an_earlier_turn_holding_a_character_the_models_drop_has_no_semantic_vie
     assert semantic_view(request, fingerprint(request, config), config) is None
 
 
-@pytest.mark.parametrize("named", ["Cyrillic", [], ["Latin", 5]])
+@pytest.mark.parametrize("named", ["Cyrillic", [], ["Latin", 5], "{not json"])
 def test_a_verifier_folder_naming_its_scripts_wrongly_is_refused_at_load(tmp_path, named):
     # Read as Latin, silently: a Cyrillic verifier's texts were exact-only, nothing said why.
     from carpool.semantic.verifier import PACKAGED
@@ -194,8 +194,12 @@ def test_a_verifier_folder_naming_its_scripts_wrongly_is_refused_at_load(tmp_pat
     for name in ("model.onnx", "tokenizer.json"):
         (tmp_path / name).write_bytes((PACKAGED / name).read_bytes())
     meta = json.loads((PACKAGED / "verifier.json").read_text())
-    (tmp_path / "verifier.json").write_text(json.dumps({**meta, "scripts": named}))
-    with pytest.raises(ValueError, match="scripts"):
+    written = named if named == "{not json" else json.dumps({**meta, "scripts": named})
+    # (Validated once with a good one first: what was read then is not taken for it now.)
+    (tmp_path / "verifier.json").write_text(json.dumps(meta))
+    Config.model_validate({"semantic": {"verifier_dir": str(tmp_path)}})
+    (tmp_path / "verifier.json").write_text(written)
+    with pytest.raises(ValueError, match="verifier.json"):
         Config.model_validate({"semantic": {"verifier_dir": str(tmp_path)}})
 
 

@@ -572,11 +572,15 @@ def test_the_verifier_threshold_and_folder_are_settings(tmp_path):
     )
     for name in ("model.onnx", "tokenizer.json"):  # (a folder without them: a config error)
         (tmp_path / name).write_bytes(b"")
+    settings = {"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}}
     (tmp_path / "verifier.json").write_text("not JSON")
-    with pytest.raises(VerifierFileError, match="no verifier"):
-        build_semantic(
-            Config.model_validate({"semantic": {"enabled": True, "verifier_dir": str(tmp_path)}})
-        )
+    with pytest.raises(ValueError, match="not JSON"):  # (refused when the config loads)
+        Config.model_validate(settings)
+    from carpool.semantic.verifier import PACKAGED
+
+    (tmp_path / "verifier.json").write_text((PACKAGED / "verifier.json").read_text())
+    with pytest.raises(VerifierFileError, match="SHA-256"):  # (files not its own: at load)
+        build_semantic(Config.model_validate(settings))
 
 
 def test_a_turn_cannot_pass_for_two_turns_in_a_context():

@@ -982,6 +982,18 @@ def test_operators_marks_standing_alone_are_what_is_asked_about():
     ):
         assert refused(f"{asked} ??", f"{asked}?") == "operator", asked
     assert refused("In C#, what is {??}", "In C#, what is?") == "operator"
+    assert refused("In C#, what is meant by ??", "In C#, what is meant by?") == "operator"
+    assert refused("In C#, what exactly is ??", "In C#, what exactly is?") == "operator"
+    assert refused("In C#, what were ??", "In C#, what were?") == "operator"
+    # A run beside a comma, a bracket or a hyphen, and single-mark code operators.
+    assert refused("In C#, what is ??, exactly?", "In C#, what is ?., exactly?") == "operator"
+    assert refused("What is (??) in C#?", "What is (?.) in C#?") == "operator"
+    assert refused("In C#, what is the ??-operator", "In C#, what is the ?.-operator") == "operator"
+    assert refused("In Kotlin, what does ?. mean", "In Kotlin, what does ?: mean") == "operator"
+    assert refused("What does a?.b do in C#?", "What does a.b do in C#?") == "operator"
+    # (A question ending in a preposition, then marks apart from it, reads as one asking about
+    # them: refused against its retyping, a hit given up: "What is it used for ??" / "...for?".)
+    assert refused("What is it used for ??", "What is it used for?") == "operator"
     # A question complete before the run is no operator's: its retyping is served.
     for asked in ("What does YOLO mean", "What is the tallest mountain called", "What is it"):
         assert passes(operators.RULE, f"{asked} ??", f"{asked}?"), asked

@@ -388,7 +388,8 @@ class SemanticConfig(Section):
         if what == "verifier":
             from ..semantic.view import verifier_scripts
 
-            verifier_scripts(value)  # (the scripts it names, if any, named as a list)
+            # (The scripts it names, if any, named as a list; read now, not as cached.)
+            verifier_scripts.__wrapped__(value)
         return value
 
     verifier_threshold: float | None = Field(

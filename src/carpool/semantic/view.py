@@ -234,8 +234,10 @@ def verifier_scripts(folder: str | None) -> tuple[str, ...]:
     path = (Path(folder) if folder else PACKAGED) / SETTINGS_FILE
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except OSError:
         return ("Latin",)  # (unreadable: the verifier's own load says why)
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
     named = meta.get("scripts") if isinstance(meta, dict) else None
     if named is None:
         return ("Latin",)

@@ -41,7 +41,10 @@ _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
     r"|[→←↑↓↔↕⇒⇐⇔★☆]"  # (arrows and stars, each: the verifier reads them as near-equal)
     r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])"
-    r"|(?<!\S)\?{2,}+(?=\s++\S)"  # ("??" alone before more words: after one, a mark)
+    # ("??" alone before more words, or beside a comma, a bracket, a hyphen: after a word, a
+    # mark; "?." and "?:" of code: "what does ?. mean", "a?.b")
+    r"|(?<![^\s(\[{])\?{2,}+(?=[,;:)\]}-]|\s++\S)"
+    r"|(?<![^\s(\[{])\?[.:](?=[\s,;)\]}-])|(?<=[\w)\]])\?(?:\.|->|\[)(?=[\w(\[])"
 )
 _CANONICAL = {"≠": "!=", "≤": "<=", "≥": ">="}
 #: "over", "under", "above", "below" compare only before an amount ("under $300", not "under the
@@ -118,10 +121,10 @@ def _operators(text: str) -> tuple[str, ...]:
 #: ??", "What is it ??") ends so. (A preposition may end a complete one, "What is glass made of
 #: ??": refused against "...of?", a hit given up.)
 _ASKING = frozenset(
-    """what's whats operator operators define explain about of for with on regarding use using
-    the a an""".split()
+    """what's whats operator operators define explain about of for with on by regarding use
+    using the a an""".split()
 )
-_VERBS = frozenset("is are was does do did means".split())
+_VERBS = frozenset("is are was were does do did means".split())
 _WH = frozenset("what how which".split())
 
 
@@ -134,9 +137,8 @@ def _end_run(text: str) -> tuple[str, bool]:
     if not last or last.strip("!?"):
         return "", False
     before = words[-2]
-    open_ = before in _ASKING or (
-        before in _VERBS and len(words) > 2 and words[-3].strip(",") in _WH
-    )
+    # (A verb after a wh-word, an adverb between them or not: "what exactly is ??".)
+    open_ = before in _ASKING or (before in _VERBS and bool(_WH.intersection(words[-5:-2])))
     return last, len(last) > 1 and open_
 
 
