@@ -201,6 +201,14 @@ def test_a_verifier_folder_naming_its_scripts_wrongly_is_refused_at_load(tmp_pat
     (tmp_path / "verifier.json").write_text(written)
     with pytest.raises(ValueError, match="verifier.json"):
         Config.model_validate({"semantic": {"verifier_dir": str(tmp_path)}})
+    # (Edited after the config loaded: read as Latin, never a failed request.)
+    from carpool.semantic.view import read_scripts, verifier_scripts
+
+    loaded = Config.model_construct(
+        semantic=Config().semantic.model_copy(update={"verifier_dir": str(tmp_path)})
+    )
+    verifier_scripts.cache_clear()
+    assert read_scripts(loaded) == ["Latin"]
 
 
 def test_other_scripts_never_read_as_english():

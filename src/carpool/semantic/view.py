@@ -216,7 +216,11 @@ def read_scripts(config: Config) -> list[str]:
     (``verifier_scripts``: the packaged one Latin only; it splits Cyrillic, Greek or kana into
     pieces of its vocabulary, no unknown token to score 0, and scored their negations the
     same, 0.99)."""
-    scripts, reads = config.semantic.scripts, verifier_scripts(config.semantic.verifier_dir)
+    scripts = config.semantic.scripts
+    try:
+        reads = verifier_scripts(config.semantic.verifier_dir)
+    except ValueError:  # (its verifier.json edited since the config loaded: never a failure)
+        reads = ("Latin",)
     if "*" in reads:
         return scripts
     if "*" in scripts:
