@@ -222,8 +222,16 @@ class Make:
         else:
             cluster = self.backend == "redis-cluster"
             server = self.request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+            # Generous timeouts: 20 connections opening at once on a busy 2-core machine took
+            # over the default 0.25 s once (a contract test of the records, not of outages).
             records = RedisIdempotencyRecords(
-                server.url, retention=retention, lease=lease, cluster=cluster, clock=self.clock
+                server.url,
+                retention=retention,
+                lease=lease,
+                cluster=cluster,
+                clock=self.clock,
+                connect_timeout=5.0,
+                socket_timeout=5.0,
             )
         self.made.append(records)
         return records
