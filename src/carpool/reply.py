@@ -228,11 +228,7 @@ def whole(
     headers = [JSON, outcome.header, *extra]
     if outcome is Outcome.HIT or outcome is Outcome.SEMANTIC_HIT:
         headers.append(age_header(answer.age(now)))
-    said = usage_said(answer, stream, include_usage)
-    if said is None and outcome is Outcome.SEMANTIC_HIT:
-        # No count of this prompt's was made: said, not made up; on every form (a stream
-        # without its usage chunk too), so that a keyed retry's replay in another says it.
-        said = USAGE_OTHER_PROMPT
+    said = usage_said(answer, stream, include_usage, other_prompt=outcome is Outcome.SEMANTIC_HIT)
     if said is not None:
         headers.append(said)
     if answer.no_store:
@@ -305,11 +301,14 @@ def sse_of(answer: Answer, include_usage: bool) -> bytes:
     return b"".join(answer.sse(include_usage)) + api_of(answer.kind).stream_end
 
 
-def usage_said(answer: Answer, stream: bool, include_usage: bool) -> tuple[bytes, bytes] | None:
+def usage_said(
+    answer: Answer, stream: bool, include_usage: bool, *, other_prompt: bool = False
+) -> tuple[bytes, bytes] | None:
     """What a reply of ``answer`` says of its usage (``x-carpool-usage``), if anything: as JSON,
     or as SSE to a client that asked for the usage chunk (``include_usage``), ``missing`` when
     the engine reported none; ``apportioned`` when its usage is a share of a merged embeddings
-    call's."""
+    call's; else ``other-prompt`` when ``answer`` was made for another prompt (``other_prompt``:
+    a semantic hit's)."""
     if (not stream or include_usage) and answer.usage_missing:
         # The engine reported no usage for this answer (it ignored include_usage on the
         # stream it was assembled from): said so, rather than dropped silently or invented.
@@ -318,6 +317,10 @@ def usage_said(answer: Answer, stream: bool, include_usage: bool) -> tuple[bytes
         # Its usage is its share of a merged embeddings call's, an estimate: said so, on every
         # copy (the mark is in the body, which every layer keeps as it is).
         return USAGE_APPORTIONED
+    if other_prompt:
+        # No count of this prompt's was made: said, not made up; on every form (a stream
+        # without its usage chunk too), so that a keyed retry's replay in another says it.
+        return USAGE_OTHER_PROMPT
     return None
 
 

@@ -152,9 +152,10 @@ def replayed(
         # (No answer, no tokens: ``saved_tokens`` finds none in it either.)
         return same, 0 if same is not None else None
     headers = [SSE if stream else JSON]
-    said = usage_said(answer, stream, include_usage)
-    if said is None and USAGE_OTHER_PROMPT in response.headers:
-        said = USAGE_OTHER_PROMPT  # (a semantic hit's: no mark in the body says it)
+    # (A semantic hit's record says it in its headers: no mark in the body does.)
+    said = usage_said(
+        answer, stream, include_usage, other_prompt=USAGE_OTHER_PROMPT in response.headers
+    )
     if said is not None:
         headers.append(said)
     return StoredResponse(
