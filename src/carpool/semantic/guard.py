@@ -94,13 +94,12 @@ def refusal(a: str, b: str, rules: Sequence[Rule] = RULES) -> Reason | None:
 
 
 def read(a: str, b: str) -> tuple[str, str]:
-    """The pair as the verifier is given it (:func:`.rules.tone.reading`: the texts the
-    packaged one learned from had no emoticons, no "!!", no chat filler), when both sides left
-    out the same (the same filler, as many repeated sentences) and still differ; as
-    sent else: what was left out is part of what they differ in ("Say please" / "Say
-    thanks", "Is it rude to reply ok" / "... to respond thanks", "...expansion for: lol" /
-    "...for: rofl"), for the model to read (the
-    rules refuse filler of other kinds, or other words when that is all: ``rules.tone``)."""
+    """The pair as the verifier is given it (:func:`.rules.tone.reading`: the texts the packaged one
+    learned from had no emoticons, no "!!", no chat filler), when both sides left out the same (the
+    same filler, as many repeated sentences) and still differ; as sent else: what was left out is
+    part of what they differ in ("Say please" / "Say thanks", "Is it rude to reply ok" / "... to
+    respond thanks", "...expansion for: lol" / "...for: rofl"), for the model to read (the rules
+    refuse filler of other kinds, or other words when that is all: ``rules.tone``)."""
     x, y = reading(a), reading(b)
     if (x.words, x.repeats) != (y.words, y.repeats) or retyped(x.text, y.text):
         return a, b
@@ -178,8 +177,9 @@ class RulesThenVerifier:
             reason = refusal(new.text, cached.text, self.rules) or refusal(
                 new.context, cached.context, self.rules
             )
-            # (Exact: retyping may move a turn's boundary. None: too many turns differ.)
-            split = [] if new.context == cached.context else turns(new.context, cached.context)
+            # (Exact: retyping may move a turn's boundary. None: too many differ. Refused: unread.)
+            same = reason is not None or new.context == cached.context
+            split = [] if same else turns(new.context, cached.context)
             if reason is None and (
                 # Earlier turns on one side only (small talk aside: ``view.conversation``):
                 # "reply only with yes or no" against none, asked of the verifier, scored 0.99.
