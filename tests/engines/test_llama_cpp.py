@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import openai
 import pytest
 
 from conftest import Served, run_gateway
+from fakes.ports import free_port
 
 REQUIRE = os.environ.get("REQUIRE_ENGINE", "") not in ("", "0")
 MODEL = "smollm2"
@@ -67,12 +67,6 @@ def _gguf() -> Path | str:
     return Path(found.stdout.strip())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """The engine's base URL (``.../v1``), serving until the module's tests are done."""
@@ -81,7 +75,7 @@ def engine() -> Iterator[str]:
         if REQUIRE:
             pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
         pytest.skip(f"no engine ({gguf}); the real-engine tests need .ci/run's engine install")
-    port = _free_port()
+    port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
     process = subprocess.Popen(
         [

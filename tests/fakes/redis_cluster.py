@@ -12,21 +12,15 @@ every node reports ``cluster_state:ok`` and knows the three (bounded: 20 s). No 
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from .ports import free_port
 from .redis_server import RedisServer, RedisServerError
 
 SLOTS = 16384
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _node_args(bus: int) -> list[str]:
@@ -46,7 +40,7 @@ class RedisCluster:
     cluster = True
 
     def __init__(self, masters: int = 3, start_timeout: float = 20.0) -> None:
-        self.bus_ports = [_free_port() for _ in range(masters)]
+        self.bus_ports = [free_port() for _ in range(masters)]
         self.nodes = [RedisServer(extra_args=_node_args(bus)) for bus in self.bus_ports]
         self.start_timeout = start_timeout
 
@@ -96,7 +90,7 @@ class RedisCluster:
                 taken = f":{self.bus_ports[i]}: bind" in str(error)
                 if not taken or attempt == attempts:
                     raise
-            self.bus_ports[i] = _free_port()
+            self.bus_ports[i] = free_port()
             args = node.extra_args
             args[args.index("--cluster-port") + 1] = str(self.bus_ports[i])
 
@@ -150,7 +144,7 @@ class RedisCluster:
         """Another node, met by the others, holding no slot yet (a scale-out): its index."""
         import redis
 
-        self.bus_ports.append(_free_port())
+        self.bus_ports.append(free_port())
         self.nodes.append(RedisServer(extra_args=_node_args(self.bus_ports[-1])))
         self._start_node(len(self.nodes) - 1)
         new = self.nodes[-1]

@@ -16,8 +16,8 @@ Where the binary comes from (``find_server_binary``), first found wins:
 3. ``redis-server`` then ``valkey-server`` on PATH.
 
 Details:
-- Redis cannot listen on port 0, so a free port is picked by binding a socket to port 0 and
-  closing it; if another process grabs it before the server binds, the start is retried on a
+- Redis cannot listen on port 0, so a free port is picked (``ports.free_port``: bound, then
+  released); if another process grabs it before the server binds, the start is retried on a
   new port (not on ``restart()``, whose point is the same port).
 - The server runs with no persistence (``--save '' --appendonly no``), in a private temporary
   ``--dir`` (kept across ``kill()``/``restart()``, removed by ``stop()``), bound to 127.0.0.1
@@ -55,6 +55,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
+from .ports import free_port
 
 __all__ = [
     "ENV_VAR",
@@ -145,9 +147,7 @@ def _require_binary() -> str:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_port(host)
 
 
 def _info_server(host: str, port: int, timeout: float) -> dict[str, str] | None:

@@ -1,0 +1,36 @@
+"""Ports for the servers a test starts in processes of their own (gateways, Redis, engines)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+
+def _outgoing_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux), or 0 where unknown."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a process started next to bind on ``host``: below the kernel's
+    range for outgoing connections where it is known (a port bound to 0 is taken from that
+    range, and one of the suite's many client connections took it before the gateway bound it:
+    "Address already in use"), drawn at random so that parallel tests seldom draw the same, and
+    checked free."""
+    low = _outgoing_low()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(200 if low > 11_024 else 0):
+        port = random.randrange(10_000, low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
