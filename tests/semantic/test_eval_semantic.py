@@ -545,3 +545,92 @@ def test_a_developer_prompt_is_no_turn_of_a_conversation(tmp_path):
     result = _eval("--pairs", str(pairs))
     assert result.exit_code == 0, result.output
     assert "conversations" not in _rows(result.output, "totals"), result.output
+
+
+def test_one_scope_counts_the_answers_another_cached_prompt_served(tmp_path):
+    """The per-pair report asks about each pair's own first prompt only; a cache holding every
+    pair's first prompt serves the nearest that passes, which may be another's: ``--one-scope``
+    counts those apart (a wrong answer the per-pair figures never see), and a second prompt that
+    is some pair's first (an exact hit at the gateway) not at all."""
+    crowded = [
+        {
+            "a": "Where can I download my invoice?",
+            "b": "Where do I download my invoice?",
+            "same_answer": True,
+            "category": "crowded",
+        },
+        {
+            "a": "Is this jacket waterproof?",
+            "b": "Is this jacket not waterproof?",
+            "same_answer": False,
+            "category": "crowded",
+        },
+        # Retypings of those second prompts, cached as other pairs' first: nearer than their own.
+        {
+            "a": "where do i download my invoice",
+            "b": "Where can I download my invoice?",  # (the first pair's first: exact)
+            "same_answer": True,
+            "category": "other",
+        },
+        {
+            "a": "is this jacket not waterproof",
+            "b": "What is the capital of France?",
+            "same_answer": False,
+            "category": "other",
+        },
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in crowded))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "eval-semantic",
+            "--pairs",
+            str(pairs),
+            "--one-scope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    per_pair, one_scope = out.split("one scope:")
+    rows = {line.split()[0]: line.split()[1:] for line in per_pair.splitlines() if line.strip()}
+    assert rows["crowded"] == ["1", "100.0%", "1", "0.0%"]  # (each against its own first)
+    rows = {line.split()[0]: line.split()[1:] for line in one_scope.splitlines() if line.strip()}
+    # should-hit, own, other, should-miss, own, other
+    assert rows["crowded"] == ["1", "0.0%", "100.0%", "1", "0.0%", "100.0%"]
+    assert rows["other"] == ["0", "-", "-", "1", "0.0%", "0.0%"]
+    assert rows["all"] == ["1", "0.0%", "100.0%", "2", "0.0%", "50.0%"]
+
+
+def test_sides_with_the_same_exact_key_are_served_as_the_gateways_exact_cache_serves_them(
+    tmp_path,
+):
+    """The gateway answers a second request the same as the first from its exact cache, whether
+    or not the text has a semantic view ("?", a German question, a zero-width space)."""
+    same = ["?", "Wie spät ist es?", "pay\u200bpal login help", "How do I reset my router?"]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"a": t, "b": t, "same_answer": True}) + "\n" for t in same)
+    )
+    decisions = tmp_path / "decisions.jsonl"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "eval-semantic",
+            "--pairs",
+            str(pairs),
+            "--decisions",
+            str(decisions),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    rows = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert [(r["decision"], r["reason"]) for r in rows] == [("hit", "exact")] * 4

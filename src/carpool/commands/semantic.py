@@ -90,6 +90,13 @@ def _as_judge_setting(field: str) -> Any:
 )
 @click.option("--sweep", is_flag=True, help="Also print hit/wrong rates over thresholds.")
 @click.option(
+    "--one-scope",
+    is_flag=True,
+    help="Also every pair's first prompt cached in one cache, each second one looked up among "
+    "them as the gateway does (semantic.candidates nearest): how often it is served its own "
+    "pair's answer, and another prompt's.",
+)
+@click.option(
     "--labeled-judge",
     "band",
     type=float,
@@ -145,6 +152,7 @@ def eval_semantic(
     threshold: float | None,
     verifier_threshold: float | None,
     sweep: bool,
+    one_scope: bool,
     half: str | None,
     band: tuple[float, float] | None,
     judge_overrules: list[str] | None,
@@ -180,6 +188,7 @@ def eval_semantic(
         from ..semantic.evaluate import (
             Evaluator,
             LabeledJudge,
+            format_one_scope,
             format_report,
             load_pairs,
             percent,
@@ -225,6 +234,8 @@ def eval_semantic(
                 f"{row['threshold']:>10.2f}{row['verifier_threshold']:>10.2f}"
                 f"{percent(row['hit_rate']):>9}{percent(row['wrong_rate']):>8}"
             )
+    if one_scope:
+        click.echo(format_one_scope(evaluator.one_scope(threshold, semantic.candidates)))
     if decisions is not None:
         # Written after the report: a disk that fills up here (or at the close, the rows still
         # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.

@@ -464,7 +464,13 @@ class SemanticConfig(Section):
         "its raw size) and its bookkeeping; each scope (tenant, namespace, parameters, system "
         "prompt...) counts its index, 56 KB. An entry larger than the whole budget is not kept.",
     )
-    candidates: int = Field(8, ge=1, description="Nearest entries examined per lookup.")
+    candidates: int = Field(
+        8,
+        ge=1,
+        description="Nearest entries examined per lookup; the most similar the guard passes is "
+        "served (1: only the nearest: fewer answers of another prompt, fewer hits; "
+        "docs/semantic.md).",
+    )
     batch_size: int = Field(32, ge=1, description="Most texts embedded in one model call.")
     batch_delay_ms: float = Field(
         0,

@@ -10,7 +10,9 @@ Contract:
   number in the file, blank lines counted), each row as the gateway reads a body (orjson: a
   lone surrogate is not JSON).
 - Each pair is decided exactly as the gateway decides it: both sides become chat requests
-  (``temperature: 0``, one model) and go through ``fingerprint.semantic_view`` (with the
+  (``temperature: 0``, one model); sides with the same exact key (``Fingerprint.key``) are
+  served (``exact``: the exact cache's hit, with or without a semantic view); otherwise they
+  go through ``fingerprint.semantic_view`` (with the
   gateway's config: ``semantic.english_only``, ``scripts`` and ``max_text_chars`` decide which
   sides have a view at all) and ``cache.focus``; a different scope (system prompt, earlier
   turns, a long head) is a miss; otherwise the cosine similarity of the last user turns (their
@@ -26,7 +28,9 @@ Contract:
   should-miss pairs served ("wrong-hit rate"); ``--decisions`` writes one row per pair;
   ``--sweep`` prints both rates over a range of similarity thresholds and verifier thresholds
   (the guard included), which is how the defaults were calibrated. A :class:`LabeledJudge`
-  decides the same pairs in the report, the decisions and the sweep.
+  decides the same pairs in the report, the decisions and the sweep. ``--one-scope``
+  (``Evaluator.one_scope``) also looks each ``b`` up among every pair's ``a`` as one cache
+  would, counting apart the lookups served another prompt's answer (not labelled).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy
 import orjson
 
 from ..config import Config
@@ -75,7 +80,7 @@ class Pair:
 class Decision:
     hit: bool
     similarity: float
-    reason: str  # "served", "scope", "below_threshold", the guard's reason, or "judge"
+    reason: str  # "served", "exact", "scope", "below_threshold", the guard's reason, "judge"
     score: float | None = None  # the verifier's, when it was asked
     judged: bool = False  # decided by the (labeled) judge
 
@@ -143,12 +148,15 @@ def _pair(row: dict[str, Any], path: str | Path, number: int) -> Pair:
     return Pair(row["a"], row["b"], row["same_answer"], category, f"{path}, line {number}")
 
 
-def _view(side: Any, config: Config) -> SemanticView | None:
+def _view(side: Any, config: Config) -> tuple[str | None, SemanticView | None]:
+    """The side's exact key (``Fingerprint.key``: None, not shared) and its semantic view, if
+    it has one."""
     messages = [{"role": "user", "content": side}] if isinstance(side, str) else side
     body = orjson.dumps({"model": "m", "temperature": 0, "messages": messages})
     request = parse(ClientRequest("/v1/chat/completions", body, {}), 1 << 30)
-    view = semantic_view(request, fingerprint(request, config), config)
-    return focus(view) if view is not None else None
+    print_ = fingerprint(request, config)
+    view = semantic_view(request, print_, config)
+    return print_.key, focus(view) if view is not None else None
 
 
 class Evaluator:
@@ -166,14 +174,18 @@ class Evaluator:
         self.guard = guard
         config = config or Config()
         self.views = []
+        self.exact: list[bool] = []  # per pair: the same exact key (an exact hit, view or none)
         for p in pairs:
             try:
-                self.views.append((_view(p.a, config), _view(p.b, config)))
+                (key_a, a), (key_b, b) = _view(p.a, config), _view(p.b, config)
             except RequestError as error:  # (a side the gateway would refuse: no pair to score)
                 raise ValueError(f"{p.where}: not a chat request: {error.message}") from None
+            self.views.append((a, b))
+            self.exact.append(key_a is not None and key_a == key_b)
         texts = sorted({v.text for pair in self.views for v in pair if v is not None})
         vectors = embedder.encode(texts) if texts else []
         row = {text: i for i, text in enumerate(texts)}
+        self._vectors, self._row = vectors, row  # (``one_scope`` compares every pair's)
         self.similarity: list[float | None] = []
         for a, b in self.views:
             if a is None or b is None or a.scope != b.scope:
@@ -192,6 +204,8 @@ class Evaluator:
         """Pair ``i``'s decision at these thresholds, with ``judge`` (:class:`LabeledJudge`)
         deciding the pairs it would be asked about."""
         similarity = self.similarity[i]
+        if self.exact[i]:  # (the gateway's exact cache answers it, whatever its view)
+            return Decision(True, 1.0, "exact")
         if similarity is None:
             return Decision(False, 0.0, "scope")
         if similarity < threshold:
@@ -223,6 +237,74 @@ class Evaluator:
         return Decision(
             verdict.ok, similarity, "served" if verdict.ok else str(verdict.reason), verdict.score
         )
+
+    def one_scope(
+        self, threshold: float, candidates: int, verifier_threshold: float | None = None
+    ) -> dict[str, dict[str, int]]:
+        """The pairs as one cache meets them: every pair's ``a`` cached (each in its scope), then
+        each ``b`` looked up as ``SemanticCache.probe`` looks it up: its ``candidates`` nearest
+        entries at or above ``threshold`` (an exact search; the index's is approximate), most
+        similar first, the first the guard passes served (the cache asks the nearest alone, then
+        the others together: the same verdicts, each pair scored alone). Per category and in
+        all (``TOTALS``' last), the lookups per label served their own pair's ``a`` and those
+        served another prompt's answer (``other_*``: not labelled, right or wrong; what the
+        per-pair figures never see); a ``b`` the same as some pair's ``a`` (an exact hit) is not
+        counted; the labelled judge is not asked."""
+        entries: dict[str, list[SemanticView]] = defaultdict(list)
+        for view in dict.fromkeys(a for a, _ in self.views if a is not None):
+            entries[view.scope].append(view)
+        vectors = {
+            scope: numpy.stack([self._vectors[self._row[v.text]] for v in views])
+            for scope, views in entries.items()
+        }
+        cached = {view for views in entries.values() for view in views}
+        names = ("should_hit", "served", "other_hit", "should_miss", "wrong", "other_miss")
+        counts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(names, 0))
+        for i, (pair, (own, new)) in enumerate(zip(self.pairs, self.views, strict=True)):
+            label = names[:3] if pair.same_answer else names[3:]
+            served = None
+            if self.exact[i] or (new is not None and new in cached):
+                # The same prompt as another pair's first: an exact hit at the gateway (its
+                # answer, the one the first prompt got), not the semantic cache's to serve.
+                continue
+            if new is not None and new.scope in entries:
+                served = self._first_passed(
+                    new,
+                    entries[new.scope],
+                    vectors[new.scope],
+                    threshold,
+                    candidates,
+                    verifier_threshold,
+                )
+            for c in (counts[pair.category], counts[TOTALS[-1]]):
+                c[label[0]] += 1
+                if served is not None:
+                    c[label[1] if served == own else label[2]] += 1
+        return {name: counts[name] for name in [*sorted(set(counts) - {TOTALS[-1]}), TOTALS[-1]]}
+
+    def _first_passed(
+        self,
+        new: SemanticView,
+        entries: list[SemanticView],
+        vectors: Any,
+        threshold: float,
+        candidates: int,
+        verifier_threshold: float | None,
+    ) -> SemanticView | None:
+        """The entry of ``entries`` (their ``vectors``) a lookup of ``new`` is served, if any."""
+        similarities = vectors @ self._vectors[self._row[new.text]]
+        for k in numpy.argsort(-similarities, kind="stable")[:candidates]:
+            similarity = float(similarities[k])
+            if not similarity >= threshold:
+                return None
+            cached = entries[int(k)]
+            scored = self.guard.scored_now(
+                Side(new.text, new.context), [Side(cached.text, cached.context)]
+            )
+            (verdict,) = self.guard.decide(scored, [similarity], verifier_threshold)
+            if verdict.ok:
+                return cached
+        return None
 
     def report(
         self,
@@ -310,6 +392,34 @@ def format_report(
     judge = report["totals"]["all"].get("judge_per_lookup")
     if judge is not None:
         lines.append(f"labeled judge: {judge:.3f} calls per lookup")
+    return "\n".join(lines)
+
+
+def format_one_scope(counts: dict[str, dict[str, int]]) -> str:
+    """``Evaluator.one_scope``'s counts as the report prints them: per category, the share of
+    its should-hit and should-miss lookups served their own pair's answer, and another's."""
+    lines = [
+        "\none scope: every first prompt cached, each second one looked up among them",
+        f"{'category':<22}{'should-hit':>11}{'own':>8}{'other':>8}"
+        f"{'should-miss':>13}{'own':>8}{'other':>8}",
+    ]
+    for name, c in counts.items():
+        if name == TOTALS[-1]:
+            lines.append("-" * 78)
+        hit, miss = c["should_hit"], c["should_miss"]
+        rates = [
+            percent(n / of if of else None)
+            for n, of in (
+                (c["served"], hit),
+                (c["other_hit"], hit),
+                (c["wrong"], miss),
+                (c["other_miss"], miss),
+            )
+        ]
+        lines.append(
+            f"{name:<22}{hit:>11}{rates[0]:>8}{rates[1]:>8}{miss:>13}{rates[2]:>8}{rates[3]:>8}"
+        )
+    lines.append("(own: its pair's first prompt's answer; other: another prompt's, right or wrong)")
     return "\n".join(lines)
 
 
