@@ -99,10 +99,12 @@ class _Client(_Side):
 
 
 def main() -> None:
+    loop_factory = None
     with contextlib.suppress(ImportError):
         import uvloop
 
-        uvloop.install()
+        # (Not ``uvloop.install()``: deprecated from Python 3.12, a policy set process-wide.)
+        loop_factory = uvloop.new_event_loop
     upstream_port = int(sys.argv[1])
     sock = process.listen()
     process.announce(sock)
@@ -113,7 +115,8 @@ def main() -> None:
         server = await loop.create_server(lambda: _Client(upstream_port), sock=sock)
         await server.serve_forever()
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run())
 
 
 if __name__ == "__main__":
