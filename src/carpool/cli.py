@@ -404,7 +404,7 @@ def _supervise_workers(server_config: Any, listening: Callable[[int], None]) -> 
         if "target" in inspect.signature(Supervisor).parameters
         else {}
     )
-    with contextlib.suppress(KeyboardInterrupt):  # (as ``uvicorn.run``)
+    with socket, contextlib.suppress(KeyboardInterrupt):  # (as ``uvicorn.run``; closed after)
         Supervisor(server_config, sockets=[socket], **target).run()
 
 
