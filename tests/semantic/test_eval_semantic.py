@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,17 @@ PAIRS = [
 ]
 
 
+def eval_semantic(pairs: Path, *extra: str) -> str:
+    """``carpool eval-semantic --pairs PAIRS EXTRA...``'s output; it must exit 0."""
+    return subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+
+
 def test_eval_semantic_prints_rates_per_category_and_writes_decisions(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
@@ -90,13 +102,7 @@ def test_eval_semantic_reports_conversations_and_scores_one_half(tmp_path):
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
 
     def run(*extra: str) -> dict[str, list[str]]:
-        out = subprocess.run(
-            [sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs), *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        out = eval_semantic(pairs, *extra)
         return {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
 
     every = run()
@@ -112,16 +118,7 @@ def test_a_labeled_judge_decides_the_band_and_its_calls_per_lookup_are_reported(
     pairs = tmp_path / "pairs.jsonl"
     rows = [*PAIRS[:4], {**PAIRS[2], "same_answer": True, "category": "relabeled"}]
     pairs.write_text("".join(json.dumps(p) + "\n" for p in rows))
-    out = subprocess.run(
-        [
-            *(sys.executable, "-m", "carpool.cli", "eval-semantic", "--pairs", str(pairs)),
-            *("--threshold", "0.0", "--labeled-judge", "0.0", "1.0"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = eval_semantic(pairs, "--threshold", "0.0", "--labeled-judge", "0.0", "1.0")
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert lines["relabeled"][1:3] == ["1", "100.0%"]  # the verifier refused it; the judge not
     assert lines["negation"][3:5] == ["1", "0.0%"] and lines["entity_swap"][3:5] == ["1", "0.0%"]
@@ -581,21 +578,7 @@ def test_one_scope_counts_the_answers_another_cached_prompt_served(tmp_path):
     ]
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in crowded))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "eval-semantic",
-            "--pairs",
-            str(pairs),
-            "--one-scope",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
+    out = eval_semantic(pairs, "--one-scope")
     per_pair, one_scope = out.split("one scope:")
     rows = {line.split()[0]: line.split()[1:] for line in per_pair.splitlines() if line.strip()}
     assert rows["crowded"] == ["1", "100.0%", "1", "0.0%"]  # (each against its own first)
@@ -617,20 +600,6 @@ def test_sides_with_the_same_exact_key_are_served_as_the_gateways_exact_cache_se
         "".join(json.dumps({"a": t, "b": t, "same_answer": True}) + "\n" for t in same)
     )
     decisions = tmp_path / "decisions.jsonl"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "carpool.cli",
-            "eval-semantic",
-            "--pairs",
-            str(pairs),
-            "--decisions",
-            str(decisions),
-        ],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
+    eval_semantic(pairs, "--decisions", str(decisions))
     rows = [json.loads(line) for line in decisions.read_text().splitlines()]
     assert [(r["decision"], r["reason"]) for r in rows] == [("hit", "exact")] * 4
