@@ -603,3 +603,40 @@ def test_sides_with_the_same_exact_key_are_served_as_the_gateways_exact_cache_se
     eval_semantic(pairs, "--decisions", str(decisions))
     rows = [json.loads(line) for line in decisions.read_text().splitlines()]
     assert [(r["decision"], r["reason"]) for r in rows] == [("hit", "exact")] * 4
+
+
+def test_one_scope_keeps_a_category_named_all_apart_and_counts_what_is_not_an_exact_hit(
+    tmp_path,
+):
+    """As the per-pair report: a category named like the total is its own row; a second prompt
+    the same by meaning (its text as content parts) but not by exact key is a lookup counted."""
+    row = {
+        "a": "Where can I download my invoice?",
+        "b": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Where can I download my invoice?"}],
+            }
+        ],
+        "same_answer": True,
+        "category": "all",
+    }
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(row) + "\n")
+    one_scope = eval_semantic(pairs, "--one-scope").split("one scope:")[1]
+    rows = [line.split() for line in one_scope.splitlines() if line.split()[:1] == ["all"]]
+    # (the category's row, then the total's: one lookup each, served its own pair's answer)
+    assert rows == [["all", "1", "100.0%", "0.0%", "0", "-", "-"]] * 2
+
+
+def test_pairs_the_exact_cache_answers_make_no_judge_lookup(tmp_path):
+    """An exact hit never reaches the semantic cache: the judge's calls per lookup count the
+    lookups the gateway makes, not the pairs."""
+    rows = [
+        {"a": "How do I reset my router?", "b": "How can I reset my router?", "same_answer": True}
+    ]
+    rows += [{"a": t, "b": t, "same_answer": True} for t in ("Who wrote Hamlet?", "Is it cold?")]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = eval_semantic(pairs, "--labeled-judge", "0.3", "1.0", "--judge-verifier-band", "0", "1")
+    assert "labeled judge: 1.000 calls per lookup" in out

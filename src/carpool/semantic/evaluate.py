@@ -174,6 +174,7 @@ class Evaluator:
         self.guard = guard
         config = config or Config()
         self.views = []
+        self.keys: list[tuple[str | None, str | None]] = []  # per pair: its sides' exact keys
         self.exact: list[bool] = []  # per pair: the same exact key (an exact hit, view or none)
         for p in pairs:
             try:
@@ -181,6 +182,7 @@ class Evaluator:
             except RequestError as error:  # (a side the gateway would refuse: no pair to score)
                 raise ValueError(f"{p.where}: not a chat request: {error.message}") from None
             self.views.append((a, b))
+            self.keys.append((key_a, key_b))
             self.exact.append(key_a is not None and key_a == key_b)
         texts = sorted({v.text for pair in self.views for v in pair if v is not None})
         vectors = embedder.encode(texts) if texts else []
@@ -240,16 +242,16 @@ class Evaluator:
 
     def one_scope(
         self, threshold: float, candidates: int, verifier_threshold: float | None = None
-    ) -> dict[str, dict[str, int]]:
+    ) -> dict[str, dict[str, dict[str, int]]]:
         """The pairs as one cache meets them: every pair's ``a`` cached (each in its scope), then
         each ``b`` looked up as ``SemanticCache.probe`` looks it up: its ``candidates`` nearest
         entries at or above ``threshold`` (an exact search; the index's is approximate), most
         similar first, the first the guard passes served (the cache asks the nearest alone, then
-        the others together: the same verdicts, each pair scored alone). Per category and in
-        all (``TOTALS``' last), the lookups per label served their own pair's ``a`` and those
-        served another prompt's answer (``other_*``: not labelled, right or wrong; what the
-        per-pair figures never see); a ``b`` the same as some pair's ``a`` (an exact hit) is not
-        counted; the labelled judge is not asked."""
+        the others together: the same verdicts, each pair scored alone). ``{"categories": {name:
+        counts}, "totals": {"all": counts}}``: the lookups per label served their own pair's
+        ``a`` and those served another prompt's answer (``other_*``: not labelled, right or
+        wrong; what the per-pair figures never see); a ``b`` with the exact key of some pair's
+        ``a`` (an exact hit) is not counted; the labelled judge is not asked."""
         entries: dict[str, list[SemanticView]] = defaultdict(list)
         for view in dict.fromkeys(a for a, _ in self.views if a is not None):
             entries[view.scope].append(view)
@@ -257,16 +259,18 @@ class Evaluator:
             scope: numpy.stack([self._vectors[self._row[v.text]] for v in views])
             for scope, views in entries.items()
         }
-        cached = {view for views in entries.values() for view in views}
+        first_keys = {key for key, _ in self.keys if key is not None}
         names = ("should_hit", "served", "other_hit", "should_miss", "wrong", "other_miss")
-        counts: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(names, 0))
-        for i, (pair, (own, new)) in enumerate(zip(self.pairs, self.views, strict=True)):
+        categories: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(names, 0))
+        total = dict.fromkeys(names, 0)  # (apart: a category may be named "all")
+        for pair, (own, new), (_, key) in zip(self.pairs, self.views, self.keys, strict=True):
             label = names[:3] if pair.same_answer else names[3:]
-            served = None
-            if self.exact[i] or (new is not None and new in cached):
-                # The same prompt as another pair's first: an exact hit at the gateway (its
-                # answer, the one the first prompt got), not the semantic cache's to serve.
+            counted = categories[pair.category]  # (listed, even with no lookup counted)
+            if key in first_keys:
+                # The same request as some pair's first: an exact hit at the gateway (the
+                # answer that one got), not the semantic cache's to serve.
                 continue
+            served = None
             if new is not None and new.scope in entries:
                 served = self._first_passed(
                     new,
@@ -276,11 +280,11 @@ class Evaluator:
                     candidates,
                     verifier_threshold,
                 )
-            for c in (counts[pair.category], counts[TOTALS[-1]]):
+            for c in (counted, total):
                 c[label[0]] += 1
                 if served is not None:
                     c[label[1] if served == own else label[2]] += 1
-        return {name: counts[name] for name in [*sorted(set(counts) - {TOTALS[-1]}), TOTALS[-1]]}
+        return {"categories": dict(sorted(categories.items())), "totals": {TOTALS[-1]: total}}
 
     def _first_passed(
         self,
@@ -321,7 +325,8 @@ class Evaluator:
         for i, pair in enumerate(self.pairs):
             decision = self.decide(i, threshold, verifier_threshold, judge)
             hit = decision.hit
-            lookups += self.similarity[i] is not None  # (a candidate in its scope: a lookup)
+            # (A candidate in its scope: a lookup; an exact hit makes none.)
+            lookups += self.similarity[i] is not None and not self.exact[i]
             judged += decision.judged
             counted = [categories[pair.category], totals["all"]]
             if pair.conversation:
@@ -395,30 +400,32 @@ def format_report(
     return "\n".join(lines)
 
 
-def format_one_scope(counts: dict[str, dict[str, int]]) -> str:
-    """``Evaluator.one_scope``'s counts as the report prints them: per category, the share of
-    its should-hit and should-miss lookups served their own pair's answer, and another's."""
+def format_one_scope(counts: dict[str, dict[str, dict[str, int]]]) -> str:
+    """``Evaluator.one_scope``'s counts as the report prints them: per category, then the total
+    (apart, as ``format_report``'s), the share of its should-hit and should-miss lookups served
+    their own pair's answer, and another's."""
     lines = [
         "\none scope: every first prompt cached, each second one looked up among them",
         f"{'category':<22}{'should-hit':>11}{'own':>8}{'other':>8}"
         f"{'should-miss':>13}{'own':>8}{'other':>8}",
     ]
-    for name, c in counts.items():
-        if name == TOTALS[-1]:
+    for section in ("categories", "totals"):
+        if section == "totals":
             lines.append("-" * 78)
-        hit, miss = c["should_hit"], c["should_miss"]
-        rates = [
-            percent(n / of if of else None)
-            for n, of in (
-                (c["served"], hit),
-                (c["other_hit"], hit),
-                (c["wrong"], miss),
-                (c["other_miss"], miss),
+        for name, c in counts[section].items():
+            hit, miss = c["should_hit"], c["should_miss"]
+            rates = [
+                percent(n / of if of else None)
+                for n, of in (
+                    (c["served"], hit),
+                    (c["other_hit"], hit),
+                    (c["wrong"], miss),
+                    (c["other_miss"], miss),
+                )
+            ]
+            lines.append(
+                f"{name:<22}{hit:>11}{rates[0]:>8}{rates[1]:>8}{miss:>13}{rates[2]:>8}{rates[3]:>8}"
             )
-        ]
-        lines.append(
-            f"{name:<22}{hit:>11}{rates[0]:>8}{rates[1]:>8}{miss:>13}{rates[2]:>8}{rates[3]:>8}"
-        )
     lines.append("(own: its pair's first prompt's answer; other: another prompt's, right or wrong)")
     return "\n".join(lines)
 
