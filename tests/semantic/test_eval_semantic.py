@@ -640,3 +640,15 @@ def test_pairs_the_exact_cache_answers_make_no_judge_lookup(tmp_path):
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = eval_semantic(pairs, "--labeled-judge", "0.3", "1.0", "--judge-verifier-band", "0", "1")
     assert "labeled judge: 1.000 calls per lookup" in out
+
+
+def test_one_scope_says_it_is_measured_without_the_labelled_judge(tmp_path):
+    """A labelled judge answers from a pair's own label: one scope's lookups (another prompt's
+    entry has none) are the guard's alone, and the report says so beside the judge's table."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    out = eval_semantic(pairs, "--one-scope", "--labeled-judge", "0.3", "1.0")
+    assert out.rstrip().endswith(
+        "(one scope without the labelled judge: another prompt's entry has no label)"
+    )
+    assert "labelled judge" not in eval_semantic(pairs, "--one-scope").split("one scope:")[1]

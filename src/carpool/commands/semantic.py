@@ -94,7 +94,8 @@ def _as_judge_setting(field: str) -> Any:
     is_flag=True,
     help="Also every pair's first prompt cached in one cache, each second one looked up among "
     "them as the gateway does (semantic.candidates nearest): how often it is served its own "
-    "pair's answer, and another prompt's.",
+    "pair's answer, and another prompt's (never with --labeled-judge's judge: it answers from "
+    "a pair's label, and another prompt's entry has none).",
 )
 @click.option(
     "--labeled-judge",
@@ -236,6 +237,10 @@ def eval_semantic(
             )
     if one_scope:
         click.echo(format_one_scope(evaluator.one_scope(threshold, semantic.candidates)))
+        if judge is not None:  # (the tables would disagree, unexplained)
+            click.echo(
+                "(one scope without the labelled judge: another prompt's entry has no label)"
+            )
     if decisions is not None:
         # Written after the report: a disk that fills up here (or at the close, the rows still
         # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.
