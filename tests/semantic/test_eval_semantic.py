@@ -649,6 +649,24 @@ def test_one_scope_says_it_is_measured_without_the_labelled_judge(tmp_path):
     pairs.write_text(json.dumps(PAIRS[0]) + "\n")
     out = eval_semantic(pairs, "--one-scope", "--labeled-judge", "0.3", "1.0")
     assert out.rstrip().endswith(
-        "(one scope without the labelled judge: another prompt's entry has no label)"
+        "(one scope without the labeled judge: another prompt's entry has no label)"
     )
-    assert "labelled judge" not in eval_semantic(pairs, "--one-scope").split("one scope:")[1]
+    assert "labeled judge" not in eval_semantic(pairs, "--one-scope").split("one scope:")[1]
+
+
+def test_weights_not_found_say_how_to_get_them_not_that_the_extra_is_missing(tmp_path, monkeypatch):
+    """The semantic extra installed, the model's files nowhere carpool looks: the command says
+    where they come from (``carpool fetch-model``), not "needs the semantic extra"."""
+    from click.testing import CliRunner
+
+    from carpool.cli import main
+    from carpool.semantic.embed import weights
+
+    monkeypatch.setattr(weights, "MODEL_PACKAGES", (("carpool_no_such_weights_pkg", "model"),))
+    monkeypatch.setattr(weights, "_hub_cache_dir", lambda: None)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(PAIRS[0]) + "\n")
+    result = CliRunner().invoke(main, ["eval-semantic", "--pairs", str(pairs)])
+    assert result.exit_code == 2
+    assert "weights are not here" in result.output and "carpool fetch-model" in result.output
+    assert "needs the semantic extra" not in result.output

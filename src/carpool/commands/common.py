@@ -87,7 +87,12 @@ def refuse_missing_extras(config: Config) -> None:
 
 
 def missing_extra(what: str, extra: str, error: Exception) -> NoReturn:
-    """Exit 2 saying that ``what`` needs the ``extra`` and how to install it."""
+    """Exit 2 saying that ``what`` needs the ``extra`` and how to install it; or, for an error
+    that is no missing extra (``needs_extra`` false: the model's files not found), what it says
+    alone (it said "needs the semantic extra" with the extra installed)."""
+    if not getattr(error, "needs_extra", True):
+        click.echo(f"carpool: {error}", err=True)
+        sys.exit(2)
     click.echo(
         f"carpool: {what} needs the {extra} extra: {install_hint(extra)} ({error})", err=True
     )

@@ -238,9 +238,7 @@ def eval_semantic(
     if one_scope:
         click.echo(format_one_scope(evaluator.one_scope(threshold, semantic.candidates)))
         if judge is not None:  # (the tables would disagree, unexplained)
-            click.echo(
-                "(one scope without the labelled judge: another prompt's entry has no label)"
-            )
+            click.echo("(one scope without the labeled judge: another prompt's entry has no label)")
     if decisions is not None:
         # Written after the report: a disk that fills up here (or at the close, the rows still
         # buffered) is said, exit 1, not a traceback, nor an empty file and exit 0.

@@ -45,6 +45,7 @@ from .weights import (
     MODEL_REVISION,
     MODEL_SHA256,
     ModelFileError,
+    ModelNotFoundError,
     fetch_model,
     find_model_dir,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "EmbeddingDimMismatch",
     "LocalEmbedder",
     "ModelFileError",
+    "ModelNotFoundError",
     "SemanticDependencyError",
     "UpstreamEmbedder",
     "default_embedder",

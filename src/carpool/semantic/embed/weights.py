@@ -41,6 +41,7 @@ __all__ = [
     "MODEL_REVISION",
     "MODEL_SHA256",
     "ModelFileError",
+    "ModelNotFoundError",
     "fetch_model",
     "find_model_dir",
 ]
@@ -64,6 +65,14 @@ MODEL_SHA256 = {
     "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
     "tokenizer.json": "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
 }
+
+
+class ModelNotFoundError(SemanticDependencyError):
+    """The model's files are nowhere carpool looks (``find_model_dir``): the semantic extra may
+    well be installed, so this says how to get the files, not the extra (``needs_extra``: read
+    by ``commands.common.missing_extra``)."""
+
+    needs_extra = False
 
 
 class ModelFileError(ValueError):
@@ -91,7 +100,7 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     for directory in candidates:
         if all((directory / name).is_file() for name in MODEL_SHA256):
             return directory
-    raise SemanticDependencyError(
+    raise ModelNotFoundError(
         f"the {MODEL_NAME} weights are not here: run `carpool fetch-model` once (it downloads "
         f"{MODEL_REPO} at revision {MODEL_REVISION[:8]} into the Hugging Face cache and checks "
         f"its digests), or set semantic.model_dir to a directory that holds them"
