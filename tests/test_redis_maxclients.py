@@ -118,9 +118,10 @@ async def test_a_cluster_nodes_maxclients_is_an_answer_counted_apart_not_redis_d
     from carpool.redis.store import RedisStore
     from carpool.store.memory import MemoryStore
     from carpool.store.shared import SharedStore
-    from fakes.redis_cluster import _free_port, _node_args
+    from fakes.ports import free_port
+    from fakes.redis_cluster import _node_args
 
-    server = redis_server_factory(extra_args=[*_node_args(_free_port()), "--maxclients", "4"])
+    server = redis_server_factory(extra_args=[*_node_args(free_port()), "--maxclients", "4"])
     held: list[aredis.Redis] = []
     while True:  # (every slot)
         other = aredis.Redis.from_url(server.url, single_connection_client=True)
