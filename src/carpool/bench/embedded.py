@@ -82,11 +82,13 @@ def main() -> None:
     try:
         gateway = build_gateway(config)
     except ImportError as error:
-        print(
-            f"carpool bench: semantic.enabled needs the semantic extra: "
-            f"{install_hint('semantic')} ({error})",
-            file=sys.stderr,
+        # (The model's files missing is no missing extra: ``commands.common.missing_extra``.)
+        said = (
+            f"semantic.enabled needs the semantic extra: {install_hint('semantic')} ({error})"
+            if getattr(error, "needs_extra", True)
+            else str(error)
         )
+        print(f"carpool bench: {said}", file=sys.stderr)
         sys.exit(2)
     from ..upstream.http import replica_names
 

@@ -114,6 +114,11 @@ def _hub_cache_dir() -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
+    except Exception as error:  # (its settings are read at import: HF_HUB_DOWNLOAD_TIMEOUT=2.5)
+        raise ValueError(
+            f"the Hugging Face hub client could not start ({error}): check its HF_* environment "
+            "variables"
+        ) from None
     found = [
         try_to_load_from_cache(MODEL_REPO, name, revision=MODEL_REVISION) for name in MODEL_SHA256
     ]
