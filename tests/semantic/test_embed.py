@@ -849,20 +849,42 @@ async def test_a_check_that_fails_after_a_client_embedding_succeeded_meanwhile_l
     assert (await embedder.embed("next")).shape == (8,)
 
 
-def test_a_hub_client_setting_it_cannot_read_is_said_as_such_not_a_bare_parse_error():
-    """huggingface_hub reads its HF_* settings when imported: one it cannot parse was a bare
-    "invalid literal for int()" from ``carpool serve``, naming no setting."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from carpool.semantic.embed import weights; weights._hub_cache_dir()",
-        ],
-        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+def _broken_hub(setup: str, *args: str, setting: str = "2.5") -> subprocess.CompletedProcess[str]:
+    """``python -c SETUP ARGS...`` with ``HF_HUB_DOWNLOAD_TIMEOUT=SETTING`` (``2.5``: a setting
+    huggingface_hub cannot read, when imported; "" none)."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DOWNLOAD_TIMEOUT"}
+    return subprocess.run(
+        [sys.executable, "-c", setup, *args],
+        env={**env, "HF_HUB_DOWNLOAD_TIMEOUT": setting} if setting else env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
-    assert done.returncode == 1
-    assert "ValueError: the Hugging Face hub client could not start" in done.stderr
-    assert "HF_* environment variables" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("broken", "setting", "said"),
+    [
+        ("", "2.5", "invalid literal for int()"),  # (a setting it cannot read)
+        ("import sys; sys.modules['filelock'] = None; ", "", "filelock"),  # (its dependency)
+    ],
+)
+def test_a_hub_client_that_cannot_start_is_said_as_such_never_as_missing_weights(
+    broken, setting, said
+):
+    """A hub client setting it cannot read was a bare "invalid literal for int()" naming no
+    setting; a dependency of its own missing read as "the weights are not here" (the files in
+    its cache) and as "needs huggingface_hub"."""
+    done = _broken_hub(
+        broken + "from carpool.semantic.embed import weights; weights._hub_cache_dir()",
+        setting=setting,
+    )
+    assert "HubClientError: the Hugging Face hub client could not start" in done.stderr
+    assert said in done.stderr and "weights are not here" not in done.stderr
+
+
+def test_fetch_model_with_a_hub_client_that_cannot_start_says_so_and_exits_2():
+    done = _broken_hub("from carpool.cli import main; main()", "fetch-model")
+    assert done.returncode == 2, done.stderr
+    assert "carpool: the Hugging Face hub client could not start" in done.stderr
+    assert "HF_* environment variables" in done.stderr and "Traceback" not in done.stderr

@@ -90,6 +90,9 @@ def main() -> None:
         )
         print(f"carpool bench: {said}", file=sys.stderr)
         sys.exit(2)
+    except ValueError as error:  # a model or verifier folder, the hub client: as serve says it
+        print(f"carpool bench: {error}", file=sys.stderr)
+        sys.exit(2)
     from ..upstream.http import replica_names
 
     # The upstreams by their replica names (as ``carpool serve`` logs them): never a URL's

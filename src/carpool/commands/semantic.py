@@ -294,14 +294,19 @@ def fetch_model(cache_dir: str | None) -> None:
     Hugging Face hub client, check its SHA-256 digests and print its directory. The only command
     that downloads it: the gateway never does."""
     try:
-        from ..semantic.embed import MODEL_REPO, MODEL_REVISION, SemanticDependencyError
+        from ..semantic.embed import (
+            MODEL_REPO,
+            MODEL_REVISION,
+            HubClientError,
+            SemanticDependencyError,
+        )
         from ..semantic.embed import fetch_model as fetch
     except ImportError as error:
         missing_extra("fetching the model", "semantic", error)
     click.echo(f"fetching {MODEL_REPO} at revision {MODEL_REVISION}", err=True)
     try:
         directory = fetch(cache_dir)
-    except SemanticDependencyError as error:
+    except (SemanticDependencyError, HubClientError) as error:  # (the setting up, not a fetch)
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
     except ValueError as error:  # a digest differs

@@ -28,9 +28,11 @@ the pinned Hugging Face revision :data:`MODEL_REVISION`:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 from .base import INSTALL_HINT, SemanticDependencyError
 
@@ -40,6 +42,7 @@ __all__ = [
     "MODEL_REPO",
     "MODEL_REVISION",
     "MODEL_SHA256",
+    "HubClientError",
     "ModelFileError",
     "ModelNotFoundError",
     "fetch_model",
@@ -107,24 +110,44 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
+class HubClientError(ValueError):
+    """The Hugging Face hub client is installed but cannot start: a setting it cannot read
+    (``HF_HUB_DOWNLOAD_TIMEOUT=2.5``: it reads them when imported), a dependency of its own
+    missing or broken. Said as such, never as missing weights or a missing extra."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(
+            f"the Hugging Face hub client could not start ({type(error).__name__}: {error}): "
+            "check its HF_* environment variables and its dependencies"
+        )
+
+
+def _hub(name: str) -> Any | None:
+    """``huggingface_hub``'s ``name``; None where the package is not installed at all
+    (:class:`HubClientError` where it is, but cannot start)."""
+    try:
+        module = importlib.import_module("huggingface_hub")
+        return getattr(module, name)  # (its submodules load here, on first use)
+    except ModuleNotFoundError as error:
+        if error.name == "huggingface_hub":
+            return None
+        raise HubClientError(error) from None
+    except Exception as error:
+        raise HubClientError(error) from None
+
+
 def _hub_cache_dir() -> Path | None:
     """The pinned revision's snapshot in the Hugging Face cache, if both files are there (a
     lookup on disk: never a download)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
+    try_to_load_from_cache = _hub("try_to_load_from_cache")
+    if try_to_load_from_cache is None:
         return None
-    except Exception as error:  # (its settings are read at import: HF_HUB_DOWNLOAD_TIMEOUT=2.5)
-        raise ValueError(
-            f"the Hugging Face hub client could not start ({error}): check its HF_* environment "
-            "variables"
-        ) from None
     found = [
         try_to_load_from_cache(MODEL_REPO, name, revision=MODEL_REVISION) for name in MODEL_SHA256
     ]
     if not all(isinstance(path, str) for path in found):
         return None
-    directories = {Path(path).parent for path in found}  # type: ignore[arg-type]  # (all str: above)
+    directories = {Path(path).parent for path in found}  # (all str: above)
     return directories.pop() if len(directories) == 1 else None
 
 
@@ -132,12 +155,9 @@ def fetch_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Download the pinned revision's two files with the Hugging Face hub client (into its
     cache, or ``cache_dir``), check their SHA-256 digests, and return their directory. Raises
     ``ValueError`` when a digest differs, saying what was deleted (:func:`_delete`)."""
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        raise SemanticDependencyError(
-            f"fetching the model needs huggingface_hub: {INSTALL_HINT}"
-        ) from None
+    hf_hub_download = _hub("hf_hub_download")
+    if hf_hub_download is None:
+        raise SemanticDependencyError(f"fetching the model needs huggingface_hub: {INSTALL_HINT}")
     directory: Path | None = None
     for name, expected in MODEL_SHA256.items():
         path = Path(
