@@ -1352,16 +1352,24 @@ def test_the_embedded_gateway_says_the_models_files_are_missing_not_the_extra(tm
     assert "weights are not here" in said and "needs the semantic extra" not in said
 
 
-def test_the_embedded_gateway_says_a_hub_client_that_cannot_start_in_one_line():
-    """As ``carpool serve`` says it: one line, exit 2, never a traceback."""
+def test_the_embedded_gateway_says_a_hub_client_that_cannot_start_in_one_line(tmp_path):
+    """As ``carpool serve`` says it: one line, exit 2, never a traceback (the model in no
+    package: its cache is the only place left)."""
     pytest.importorskip("onnxruntime")
     from carpool.config import Config
 
+    (tmp_path / "sitecustomize.py").write_text(
+        "import carpool.semantic.embed.weights as w\nw.MODEL_PACKAGES = ()\n"
+    )
     config = Config.model_validate({"semantic": {"enabled": True}})
     done = subprocess.run(
         [sys.executable, "-m", "carpool.bench.embedded"],
         input=json.dumps(config.with_secrets()).encode() + b"\n",
-        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+        env={
+            **os.environ,
+            "HF_HUB_DOWNLOAD_TIMEOUT": "2.5",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+        },
         capture_output=True,
         timeout=60,
     )

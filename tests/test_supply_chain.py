@@ -101,7 +101,11 @@ def test_ci_installs_packages_for_their_files_only_from_their_requirements_files
 
 def test_a_run_whose_model_cannot_be_looked_for_still_runs(tmp_path):
     """The report header's look for the tests' model never stops a run (a hub client setting it
-    cannot read was an INTERNALERROR before any test)."""
+    cannot read was an INTERNALERROR before any test; the model in no package here, so that
+    its cache, which the broken client reads, is the place left to look)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import carpool.semantic.embed.weights as w\nw.MODEL_PACKAGES = ()\n"
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -113,9 +117,13 @@ def test_a_run_whose_model_cannot_be_looked_for_still_runs(tmp_path):
             "0",
             "-o",
             "addopts=",
-            f"{Path(__file__)}::test_packages_installed_for_their_files_are_named_in_no_table_of_pyproject_nor_a_lock",
+            "tests/test_lru.py::test_the_entry_bound_evicts_the_least_recently_used_first",
         ],
-        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+        env={
+            **os.environ,
+            "HF_HUB_DOWNLOAD_TIMEOUT": "2.5",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
+        },
         cwd=ROOT,
         capture_output=True,
         text=True,

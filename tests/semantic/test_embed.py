@@ -888,3 +888,13 @@ def test_fetch_model_with_a_hub_client_that_cannot_start_says_so_and_exits_2():
     assert done.returncode == 2, done.stderr
     assert "carpool: the Hugging Face hub client could not start" in done.stderr
     assert "HF_* environment variables" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_hub_client_that_cannot_start_stops_no_one_whose_model_is_in_a_package():
+    """Its cache is one place of several: the files found in a package are used, and the hub
+    client's failure is said only when they are nowhere."""
+    done = _broken_hub(
+        "from carpool.semantic.embed import weights; print(weights.find_model_dir())"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(E.MODEL_PACKAGES[0][1]), done.stdout

@@ -85,11 +85,16 @@ class ModelFileError(ValueError):
 def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     """The directory holding ``model.safetensors`` and ``tokenizer.json`` (see the docstring):
     ``model_dir`` (``semantic.model_dir``) when given, else the Hugging Face cache at
-    :data:`MODEL_REVISION`, else a development package."""
+    :data:`MODEL_REVISION`, else a development package. A hub client that cannot start
+    (:class:`HubClientError`) is raised only when no package holds them either."""
     if model_dir is not None:
         return Path(model_dir)  # the operator's choice, and no other: checked when loaded
     candidates: list[Path] = []
-    cached = _hub_cache_dir()
+    broken: HubClientError | None = None
+    try:
+        cached = _hub_cache_dir()
+    except HubClientError as error:  # (said only if the files are nowhere else either)
+        cached, broken = None, error
     if cached is not None:
         candidates.append(cached)
     for package, subdir in MODEL_PACKAGES:
@@ -103,6 +108,8 @@ def find_model_dir(model_dir: str | os.PathLike[str] | None = None) -> Path:
     for directory in candidates:
         if all((directory / name).is_file() for name in MODEL_SHA256):
             return directory
+    if broken is not None:  # (its cache may hold them: what `carpool fetch-model` filled)
+        raise broken
     raise ModelNotFoundError(
         f"the {MODEL_NAME} weights are not here: run `carpool fetch-model` once (it downloads "
         f"{MODEL_REPO} at revision {MODEL_REVISION[:8]} into the Hugging Face cache and checks "
