@@ -1377,3 +1377,28 @@ def test_the_embedded_gateway_says_a_hub_client_that_cannot_start_in_one_line(tm
     assert done.returncode == 2, said
     assert "carpool bench: the Hugging Face hub client could not start" in said
     assert "Traceback" not in said
+
+
+def test_the_embedded_gateway_announces_its_port_first_with_a_hub_client_that_cannot_start():
+    """Its model found in a package, it starts: its first line on stdout is its port, never the
+    hub client's own message (``carpool bench`` read "did not start", and no reason)."""
+    pytest.importorskip("onnxruntime")
+    from carpool.config import Config
+
+    config = Config.model_validate({"semantic": {"enabled": True}})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "carpool.bench.embedded"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_DOWNLOAD_TIMEOUT": "2.5"},
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps(config.with_secrets()).encode() + b"\n")
+        child.stdin.close()
+        first = child.stdout.readline()
+        assert isinstance(json.loads(first)["port"], int), first
+    finally:
+        child.kill()
+        child.wait(timeout=30)
