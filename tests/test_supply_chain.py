@@ -61,12 +61,17 @@ def _spelled(text: str) -> str:
 def _requirements(file: str) -> tuple[list[str], list[str]]:
     """A hand-written requirements file's two lines as words (an option's ``=`` read as a
     space): ``--only-binary NAMES``, then ``NAME==VERSION --hash HASH``. Anything else in it
-    (another option, an include, a second requirement) fails: pip would read it."""
+    (another option, an include, a second requirement) fails: pip would read it; so does a
+    character not ASCII, a coding cookie or a ``${VARIABLE}``, which pip reads otherwise."""
     raw = (ROOT / "requirements" / file).read_bytes()
     # pip honours a PEP 263 coding cookie (utf-7 hid a second line in a comment) and expands
     # ${VARIABLES}: neither is read here, so neither may be there.
-    text = raw.decode("ascii")
-    assert not re.search(r"coding[:=]", text) and "${" not in text
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as error:
+        pytest.fail(f"{file}: ASCII only (pip may decode it otherwise, by the locale): {error}")
+    assert not re.search(r"coding[:=]", text), f"{file}: no coding cookie (pip would honour it)"
+    assert "${" not in text, f"{file}: no ${{VARIABLE}} (pip would expand it)"
     lines = [shlex.split(re.sub(r"(^|\s)(--[\w-]+)=", r"\1\2 ", line)) for line in _lines(text)]
     assert len(lines) == 2, lines
     return lines[0], lines[1]

@@ -27,12 +27,10 @@ the pinned Hugging Face revision :data:`MODEL_REVISION`:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +133,11 @@ def _hub(name: str) -> Any | None:
     """``huggingface_hub``'s ``name``; None where the package is not installed at all
     (:class:`HubClientError` where it is, but cannot start)."""
     try:
-        # (A submodule it fails to import is printed on stdout before the error: stdout is
-        # ``carpool bench``'s gateway's announcement, ``--decisions -``'s rows, fetch-model's.)
-        with contextlib.redirect_stdout(sys.stderr):
-            module = importlib.import_module("huggingface_hub")
-            return getattr(module, name)  # (its submodules load here, on first use)
+        importlib.import_module("huggingface_hub")
+        # The submodule itself, not the package's lazy attribute, which prints a submodule's
+        # failure on stdout (``carpool bench``'s gateway's port announcement, ``--decisions
+        # -``'s rows); never a swap of sys.stdout either: process-wide, threads raced it.
+        return getattr(importlib.import_module("huggingface_hub.file_download"), name)
     except ModuleNotFoundError as error:
         if error.name == "huggingface_hub":
             return None
