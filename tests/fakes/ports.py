@@ -15,16 +15,21 @@ def _outgoing_low() -> int:
         return 0
 
 
+# The OS's generator, not the process's: a test that seeds ``random`` (tests/test_request_id.py,
+# in each xdist worker) made every worker draw the same ports, and two gateways started on one.
+_DRAW = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a process started next to bind on ``host``: below the kernel's
     range for outgoing connections where it is known (a port bound to 0 is taken from that
     range, and one of the suite's many client connections took it before the gateway bound it:
-    "Address already in use"), drawn at random so that parallel tests seldom draw the same, and
-    checked free."""
+    "Address already in use"), drawn at random (the OS's generator) so that parallel tests
+    seldom draw the same, and checked free."""
     low = _outgoing_low()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(200 if low > 11_024 else 0):
-        port = random.randrange(10_000, low)
+        port = _DRAW.randrange(10_000, low)
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
