@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -468,6 +469,10 @@ def test_the_model_is_found_in_the_hub_cache_at_the_pinned_revision_without_a_do
     huggingface_hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(weights, "MODEL_PACKAGES", ())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    # (0.23's file_download copied the setting when imported: its copy too.)
+    from huggingface_hub import file_download
+
+    monkeypatch.setattr(file_download, "HF_HUB_CACHE", str(tmp_path), raising=False)
     snapshot = _hub_snapshot(tmp_path, model_dir)
     assert E.find_model_dir() == snapshot
     assert E.find_model_dir(model_dir) == model_dir  # semantic.model_dir comes first
@@ -913,17 +918,44 @@ def test_a_hub_client_that_cannot_start_stops_no_one_whose_model_is_in_a_package
     assert found.endswith(E.MODEL_PACKAGES[0][1]), done.stdout
 
 
-def test_looking_for_the_model_from_threads_leaves_stdout_alone():
-    """A lookup never swaps ``sys.stdout`` (process-wide: two overlapping lookups left it on
-    stderr for good, and another thread's output went there meanwhile)."""
-    import threading
+def test_the_hub_client_is_imported_with_stdout_untouched(monkeypatch):
+    """A lookup never swaps ``sys.stdout`` around the hub client's import (process-wide: two
+    overlapping lookups left it on stderr for good, and another thread's output went there
+    meanwhile): seen at every import it makes, loaded already or not."""
+    import importlib
+    import types
 
-    stdout = sys.stdout
-    threads = [
-        threading.Thread(target=lambda: [E.find_model_dir() for _ in range(50)]) for _ in range(4)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sys.stdout is stdout
+    stdout, seen = sys.stdout, []
+
+    def import_module(name: str, *args: Any) -> types.ModuleType:
+        seen.append(sys.stdout is stdout)
+        return importlib.import_module(name, *args)
+
+    monkeypatch.setattr(
+        weights,
+        "importlib",
+        types.SimpleNamespace(import_module=import_module, util=importlib.util),
+    )
+    E.find_model_dir()
+    assert seen and all(seen)
+
+
+def test_fetch_model_says_a_fetch_that_failed_even_when_the_error_is_a_value_error_too(
+    monkeypatch,
+):
+    """huggingface_hub 0.23's "not found locally" is an OSError and a ValueError: a failed
+    fetch, not a digest that differs."""
+    from click.testing import CliRunner
+
+    from carpool.cli import main
+
+    class NotFound(OSError, ValueError):
+        pass
+
+    def fetch(cache_dir=None):
+        raise NotFound("An error happened while trying to locate the file on the Hub")
+
+    monkeypatch.setattr(E, "fetch_model", fetch)
+    result = CliRunner().invoke(main, ["fetch-model"])
+    assert result.exit_code == 1
+    assert "carpool: could not fetch the model: An error happened" in result.output

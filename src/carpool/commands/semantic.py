@@ -309,11 +309,11 @@ def fetch_model(cache_dir: str | None) -> None:
     except (SemanticDependencyError, HubClientError) as error:  # (the setting up, not a fetch)
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
+    except OSError as error:  # no network, no such revision... (first: 0.23's are ValueErrors too)
+        click.echo(f"carpool: could not fetch the model: {error}", err=True)
+        sys.exit(1)
     except ValueError as error:  # a digest differs
         click.echo(f"carpool: {error}", err=True)
-        sys.exit(1)
-    except OSError as error:  # no network, no such revision...
-        click.echo(f"carpool: could not fetch the model: {error}", err=True)
         sys.exit(1)
     click.echo(str(directory))
     if cache_dir is not None:
