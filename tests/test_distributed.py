@@ -15,7 +15,7 @@ import pytest
 
 from carpool import errors
 from conftest import redis_keys, redis_settings, run_gateway
-from fakes.instances import free_port, instances, serve_env, start_serve
+from fakes.instances import answered_by, free_port, instances, serve_env, start_serve
 from fakes.latency_proxy import LinkProxy
 from fakes.waiting import WAIT_S, eventually
 
@@ -1720,6 +1720,8 @@ async def until_serving(
         assert proc.poll() is None, f"instance A exited: {log.read_text()[-2000:]}"
         with contextlib.suppress(httpx.TransportError):
             if (await client.get("/healthz", timeout=0.5)).status_code == 200:
+                problem = await answered_by(client, proc)
+                assert problem is None, f"{problem}: {log.read_text()[-2000:]}"
                 return
         assert loop.time() < deadline, f"instance A did not start: {log.read_text()[-2000:]}"
         await asyncio.sleep(0.02)
@@ -2157,3 +2159,18 @@ async def test_a_command_on_a_slot_caught_mid_migration_leaves_the_instance_up(
     moving = stats["redis"]["slot_moving"]
     assert moving >= 1, stats["redis"]
     assert f"carpool_redis_slot_moving_total {float(moving)}" in metrics
+
+
+async def test_an_instance_on_a_port_another_gateway_holds_is_a_failure_not_that_gateway(
+    fake, monkeypatch
+):
+    """Two draws of one port: the later instance's /healthz is answered by the gateway already
+    there (before its own process, still starting, finds the port taken); ``instances`` says so
+    rather than hand the test another test's gateway, its settings and its cache."""
+    import fakes.instances as instances_module
+
+    async with instances(1, fake.url, None) as (there,):
+        monkeypatch.setattr(instances_module, "free_port", lambda *_: there.port)
+        with pytest.raises(AssertionError, match="another process's"):
+            async with instances(1, fake.url, None):
+                pass

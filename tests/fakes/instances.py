@@ -121,6 +121,24 @@ def serve_env(settings: dict[str, Any] | None = None) -> dict[str, str]:
     return env
 
 
+async def answered_by(client: httpx.AsyncClient, proc: subprocess.Popen[bytes]) -> str | None:
+    """Why the gateway answering ``client`` is not the one ``proc`` runs (or one of its workers),
+    or None: two draws of one port before either bound it, and a test's client was served by
+    another test's gateway (its settings, its cache) without a word. Unknown (``/stats`` closed
+    by an admin token, no /proc) counts as ours."""
+    stats = await client.get("/stats", timeout=5)
+    if stats.status_code != 200:
+        return None
+    pid = stats.json()["pid"]
+    try:  # (its parent: a worker of ``serve --workers``)
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    if proc.pid in (pid, parent):
+        return None
+    return f"the port is another process's (pid {pid}), not this instance's ({proc.pid})"
+
+
 @dataclass
 class Instance:
     port: int
@@ -147,6 +165,8 @@ class Instance:
             assert self.proc.poll() is None, f"the instance exited: {self.log.read_text()[-3000:]}"
             with contextlib.suppress(httpx.TransportError):
                 if (await self.client.get("/healthz", timeout=0.5)).status_code == 200:
+                    problem = await answered_by(self.client, self.proc)
+                    assert problem is None, f"{problem}: {self.log.read_text()[-3000:]}"
                     return
             assert loop.time() < deadline, f"not serving: {self.log.read_text()[-3000:]}"
             await asyncio.sleep(0.02)
