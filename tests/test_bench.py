@@ -44,6 +44,7 @@ from carpool.bench.workloads import (
 )
 from carpool.cli import main
 from carpool.config import Config
+from fakes.model_env import UNREADABLE, model_env
 
 PNGS = ("outcomes_over_time.png", "latency_cdf.png", "upstream_vs_oracle.png")
 
@@ -1327,26 +1328,25 @@ def test_the_bench_never_sends_its_own_requests_through_a_proxy(call):
     assert done.stdout.strip() == "200", done.stderr[-2000:]
 
 
-def test_the_embedded_gateway_says_the_models_files_are_missing_not_the_extra(tmp_path):
-    """The semantic extra installed, the model's files nowhere: ``carpool bench``'s gateway says
-    where they come from, as ``carpool serve`` does, not "needs the semantic extra"."""
-    pytest.importorskip("onnxruntime")
+def _embedded_semantic(env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    """``carpool bench``'s gateway, semantic cache on, run in ``env`` until it exits."""
     from carpool.config import Config
 
-    (tmp_path / "sitecustomize.py").write_text(
-        "import carpool.semantic.embed.weights as w\n"
-        "w.MODEL_PACKAGES = ()\n"
-        "w._hub_cache_dir = lambda: None\n"
-    )
     config = Config.model_validate({"semantic": {"enabled": True}})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "carpool.bench.embedded"],
         input=json.dumps(config.with_secrets()).encode() + b"\n",
         env=env,
         capture_output=True,
         timeout=60,
     )
+
+
+def test_the_embedded_gateway_says_the_models_files_are_missing_not_the_extra(tmp_path):
+    """The semantic extra installed, the model's files nowhere: ``carpool bench``'s gateway says
+    where they come from, as ``carpool serve`` does, not "needs the semantic extra"."""
+    pytest.importorskip("onnxruntime")
+    done = _embedded_semantic(model_env(tmp_path, cache=True))
     said = done.stderr.decode()
     assert done.returncode == 2, said
     assert "weights are not here" in said and "needs the semantic extra" not in said
@@ -1356,23 +1356,7 @@ def test_the_embedded_gateway_says_a_hub_client_that_cannot_start_in_one_line(tm
     """As ``carpool serve`` says it: one line, exit 2, never a traceback (the model in no
     package: its cache is the only place left)."""
     pytest.importorskip("onnxruntime")
-    from carpool.config import Config
-
-    (tmp_path / "sitecustomize.py").write_text(
-        "import carpool.semantic.embed.weights as w\nw.MODEL_PACKAGES = ()\n"
-    )
-    config = Config.model_validate({"semantic": {"enabled": True}})
-    done = subprocess.run(
-        [sys.executable, "-m", "carpool.bench.embedded"],
-        input=json.dumps(config.with_secrets()).encode() + b"\n",
-        env={
-            **os.environ,
-            "HF_HUB_DOWNLOAD_TIMEOUT": "2.5",
-            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
-        },
-        capture_output=True,
-        timeout=60,
-    )
+    done = _embedded_semantic(model_env(tmp_path, hub_setting=UNREADABLE))
     said = done.stderr.decode()
     assert done.returncode == 2, said
     assert "carpool bench: the Hugging Face hub client could not start" in said
@@ -1400,10 +1384,7 @@ def test_the_embedded_gateway_announces_its_port_first_with_a_hub_client_that_ca
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
-            env={
-                **{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
-                "HF_HUB_DOWNLOAD_TIMEOUT": "2.5",
-            },
+            env=model_env(hub_setting=UNREADABLE),
         )
     try:
         assert child.stdin is not None and child.stdout is not None

@@ -6,7 +6,6 @@ runs its code). ``.ci/run`` installs them from those files only."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -19,6 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from carpool.semantic.embed.weights import MODEL_PACKAGES
+from fakes.model_env import UNREADABLE, model_env
 
 ROOT = Path(__file__).parents[1]
 # (requirements file, the package it installs)
@@ -125,9 +125,6 @@ def test_a_run_whose_model_cannot_be_looked_for_still_runs(tmp_path):
     """The report header's look for the tests' model never stops a run (a hub client setting it
     cannot read was an INTERNALERROR before any test; the model in no package here, so that
     its cache, which the broken client reads, is the place left to look)."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import carpool.semantic.embed.weights as w\nw.MODEL_PACKAGES = ()\n"
-    )
     done = subprocess.run(
         [
             sys.executable,
@@ -141,11 +138,7 @@ def test_a_run_whose_model_cannot_be_looked_for_still_runs(tmp_path):
             "addopts=",
             "tests/test_lru.py::test_the_entry_bound_evicts_the_least_recently_used_first",
         ],
-        env={
-            **os.environ,
-            "HF_HUB_DOWNLOAD_TIMEOUT": "2.5",
-            "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]),
-        },
+        env=model_env(tmp_path, hub_setting=UNREADABLE),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -29,6 +29,7 @@ from carpool.semantic.embed import (  # noqa: E402
     minilm,  # (the modules whose globals a test reads or replaces)
     weights,
 )
+from fakes.model_env import UNREADABLE, model_env  # noqa: E402
 
 ROUTER = "How do I reset my router?"
 LOREM = "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 40  # > 256 tokens
@@ -856,13 +857,14 @@ async def test_a_check_that_fails_after_a_client_embedding_succeeded_meanwhile_l
     assert (await embedder.embed("next")).shape == (8,)
 
 
-def _broken_hub(setup: str, *args: str, setting: str = "2.5") -> subprocess.CompletedProcess[str]:
-    """``python -c SETUP ARGS...`` with ``HF_HUB_DOWNLOAD_TIMEOUT=SETTING`` (``2.5``: a setting
-    huggingface_hub cannot read, when imported; "" none)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # (none but this)
+def _broken_hub(
+    setup: str, *args: str, setting: str | None = UNREADABLE
+) -> subprocess.CompletedProcess[str]:
+    """``python -c SETUP ARGS...`` with ``HF_HUB_DOWNLOAD_TIMEOUT=SETTING`` (by default one
+    huggingface_hub cannot read, when imported; None: none)."""
     return subprocess.run(
         [sys.executable, "-c", setup, *args],
-        env={**env, "HF_HUB_DOWNLOAD_TIMEOUT": setting} if setting else env,
+        env=model_env(hub_setting=setting),
         capture_output=True,
         text=True,
         timeout=120,
@@ -872,8 +874,8 @@ def _broken_hub(setup: str, *args: str, setting: str = "2.5") -> subprocess.Comp
 @pytest.mark.parametrize(
     ("broken", "setting", "said"),
     [
-        ("", "2.5", "invalid literal for int()"),  # (a setting it cannot read)
-        ("import sys; sys.modules['filelock'] = None; ", "", "filelock"),  # (its dependency)
+        ("", UNREADABLE, "invalid literal for int()"),  # (a setting it cannot read)
+        ("import sys; sys.modules['filelock'] = None; ", None, "filelock"),  # (its dependency)
     ],
 )
 def test_a_hub_client_that_cannot_start_is_said_as_such_never_as_missing_weights(
