@@ -96,6 +96,8 @@ def gauges(layers: Layers) -> dict[str, Any]:
                         "entries": semantic.entries,
                         "bytes": semantic.bytes,
                         "embed_failures": semantic.embed_failures,
+                        # (identical requests' lookups made once: ``SemanticCache.probe``)
+                        "lookups_joined": semantic.lookups_joined,
                         # (a setting to correct, said once in the log: ``embed_problem``)
                         "embed_problem": semantic.embed_problem,
                     }

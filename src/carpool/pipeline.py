@@ -318,13 +318,9 @@ class Gateway:
         controls = request.controls
         read_age = self._read_age(request)
         if controls.may_read and read_age != 0:
-            answer = await self._cached(key.key, read_age, *_shape(request))
-            if answer is not None:
-                if remember is not None:
-                    remember()
-                return self._served(
-                    route, Outcome.HIT, answer, request.stream, request.include_usage
-                )
+            hit = await self._exact_hit(route, request, key.key, read_age, remember)
+            if hit is not None:
+                return hit
         join_age = controls.max_age if controls.may_read else 0
         # (Apart for a call asked without its usage, which no other shape may share.)
         flying = flight_key(key.key, request, self.config)
@@ -347,8 +343,9 @@ class Gateway:
             with self.tracer.span("carpool.semantic") as span:
                 # (The requester's prompt prefix: an entry made before a prefix invalidation
                 # that names it is not served to it, whatever the entry's own prompt.)
+                # (An identical request's lookup in progress is joined: ``key``.)
                 probe = await self.semantic.probe(
-                    view, read_age, partial(prompt_prefix, request, self.config)
+                    view, read_age, partial(prompt_prefix, request, self.config), key=key.key
                 )
                 if probe.match is not None:
                     span.set_attribute("carpool.similarity", probe.match.similarity)
@@ -395,6 +392,13 @@ class Gateway:
                     )
                 if audited:
                     unserved = budget, match, near
+        if probe is not None:
+            # The lookup waited for the embedder and the verifier (seconds, behind a burst of
+            # lookups): an identical request's answer may have been stored meanwhile and its
+            # flight's window closed. Served, not asked for again.
+            hit = await self._exact_hit(route, request, key.key, read_age, remember)
+            if hit is not None:
+                return hit
         # The epoch of invalidations this call begins in: its answer is stored only if no
         # invalidation came before it ended (``Leader._store``).
         # A peer's request is led here, never passed on again: its worker chose this one.
@@ -477,6 +481,22 @@ class Gateway:
         if repeat is not None and (repeat.shared_by is None or repeat.shared_by in self.accepted):
             return repeat
         return None
+
+    async def _exact_hit(
+        self,
+        route: str,
+        request: Request,
+        key: str,
+        read_age: float | None,
+        remember: Callable[[], None] | None,
+    ) -> Reply | None:
+        """The exact cache's answer for ``key`` served as a hit, if it has one (``_cached``)."""
+        answer = await self._cached(key, read_age, *_shape(request))
+        if answer is None:
+            return None
+        if remember is not None:
+            remember()
+        return self._served(route, Outcome.HIT, answer, request.stream, request.include_usage)
 
     async def _cached(
         self, key: str, max_age: float | None, kind: str, stream: bool, include_usage: bool

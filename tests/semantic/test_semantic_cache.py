@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import orjson
 import pytest
 
 pytest.importorskip("onnxruntime")
@@ -18,7 +19,8 @@ pytest.importorskip("usearch")
 
 from carpool.apis import api_of  # noqa: E402
 from carpool.clock import SYSTEM_CLOCK  # noqa: E402
-from carpool.fingerprint import requester  # noqa: E402
+from carpool.fingerprint import fingerprint, requester, semantic_view  # noqa: E402
+from carpool.request import ClientRequest, parse  # noqa: E402
 from carpool.store.base import Selector, state_tag, synthesized_held  # noqa: E402
 from fakes.waiting import eventually  # noqa: E402
 
@@ -42,6 +44,14 @@ async def ask(gw, content, *, system=None, history=(), headers=None, **body):
 
 async def stored(gw, n=1):
     await eventually(lambda: gw.gateway.semantic.entries >= n, what="the semantic insert")
+
+
+def semantic_view_of(gw, content):
+    """The semantic cache's view of asking ``content`` (as ``ask`` asks it) of ``gw``."""
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    request = parse(ClientRequest("/v1/chat/completions", orjson.dumps(body), {}), 1 << 20)
+    config = gw.gateway.config
+    return semantic_view(request, fingerprint(request, config), config)
 
 
 async def served_again(gw, first, second):
@@ -1221,6 +1231,110 @@ async def test_a_slow_guard_never_holds_up_another_tenants_exact_hit(sgw, fake):
     release.set()
     assert (await lookup).headers["x-carpool"] == "semantic-hit"
     assert released == [True]
+
+
+async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_another_call(
+    fake, gateway_with
+):
+    # A lookup judged while the verifier's queue was long (a burst of 200 identical prompts
+    # took ~2 s) came back after its key's flight had ended and its window closed: the
+    # request led a call of its own although the exact cache held the answer (3 upstream
+    # calls for 200 identical requests). Here a rule holds the lookup while an identical
+    # request, asking no-cache (no lookup), is answered and stored.
+    from carpool.semantic.verdict import Reason, Rule
+
+    async with gateway_with(semantic={"enabled": True}, coalesce={"window_ms": 0}) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        entered, release, released = threading.Event(), threading.Event(), []
+
+        def blocking(a: str, b: str) -> bool:
+            entered.set()
+            released.append(release.wait(10))
+            return False
+
+        guard = gw.gateway.semantic.guard
+        guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+        prompt = "How do I update the billing details of my router?"
+        lookup = asyncio.create_task(ask(gw, prompt))
+        assert await asyncio.to_thread(entered.wait, 10)
+        fresh = await ask(gw, prompt, headers={"cache-control": "no-cache"})
+        assert fresh.headers["x-carpool"] == "miss" and fake.count() == 2
+        release.set()
+        judged = await lookup
+        assert released == [True]
+        assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
+        assert fake.count() == 2
+
+
+async def test_identical_lookups_in_progress_share_one(sgw, fake):
+    # Each of a burst of identical requests made the lookup of its own: 200 of one prompt in a
+    # populated scope were ~44 lookups judged (~3 ms a pair, on the verifier's one thread),
+    # seconds of the verifier for one prompt, every other lookup waiting behind them.
+    from carpool.semantic.verdict import Reason, Rule
+
+    await ask(sgw, "How do I reset my router?")
+    await stored(sgw)
+    entered, release, judged = threading.Event(), threading.Event(), []
+
+    def blocking(a: str, b: str) -> bool:
+        judged.append(a)
+        entered.set()
+        release.wait(10)
+        return False
+
+    guard = sgw.gateway.semantic.guard
+    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    prompt = "How do I update the billing details of my router?"
+    first = asyncio.create_task(ask(sgw, prompt))
+    assert await asyncio.to_thread(entered.wait, 10)
+    others = [asyncio.create_task(ask(sgw, prompt)) for _ in range(3)]
+    await eventually(lambda: sgw.gateway.semantic.lookups_joined == 3, what="the lookups joined")
+    release.set()
+    replies = await asyncio.gather(first, *others)
+    assert len(judged) == 1 and fake.count() == 2
+    assert sorted(r.headers["x-carpool"] for r in replies) == ["coalesced"] * 3 + ["miss"]
+    stats = (await sgw.client.get("/stats")).json()
+    assert stats["layers"]["semantic"]["lookups_joined"] == 3
+
+
+async def test_a_lookup_whose_requesters_all_left_is_cancelled(sgw, fake):
+    # (As a flight whose clients all left: nobody would read it.) One requester left while
+    # another waits: the lookup goes on for it.
+    from carpool.semantic.verdict import Reason, Rule
+
+    await ask(sgw, "How do I reset my router?")
+    await stored(sgw)
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(a: str, b: str) -> bool:
+        entered.set()
+        release.wait(10)
+        return False
+
+    guard = sgw.gateway.semantic.guard
+    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    cache = sgw.gateway.semantic
+    view = semantic_view_of(sgw, "How do I update the billing details of my router?")
+    first = asyncio.create_task(cache.probe(view, key="k"))
+    assert await asyncio.to_thread(entered.wait, 10)
+    second = asyncio.create_task(cache.probe(view, key="k"))
+    await eventually(lambda: cache.lookups_joined == 1, what="the second lookup joined")
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    assert not second.done()
+    release.set()
+    assert (await second).match is None
+    entered.clear()
+    release.clear()
+    third = asyncio.create_task(cache.probe(view, key="k"))
+    assert await asyncio.to_thread(entered.wait, 10)
+    third.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await third
+    assert cache.lookups_in_progress == 0  # (cancelled: nobody waits)
+    release.set()
 
 
 async def test_a_serve_mode_miss_never_names_the_entry_it_was_near(sgw, fake):

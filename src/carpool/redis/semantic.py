@@ -242,9 +242,11 @@ class SharedSemanticCache(SemanticCache):
         view: SemanticView,
         max_age: float | None = None,
         prompt_prefix: Callable[[], str] | None = None,
+        *,
+        key: str | None = None,
     ) -> Any:
         self.start()
-        return await super().probe(view, max_age, prompt_prefix)
+        return await super().probe(view, max_age, prompt_prefix, key=key)
 
     def _inserted(self, entry: SemanticEntry, vector: Any, key: str | None) -> None:
         self.start()

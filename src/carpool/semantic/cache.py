@@ -13,6 +13,13 @@ Contract:
   texts embed alike whatever their question (the shared head dominates the mean-pooled vector, and
   the model reads only the first 256 tokens: a 300-word system prompt leaves nothing of the
   question, similarity 1.0).
+- ``probe(view, max_age, prompt_prefix, key=KEY)``: identical lookups in progress (the same
+  request key, ``max_age`` too) share one, counted in ``lookups_joined`` (``/stats``
+  ``layers.semantic``): a burst of one prompt is embedded and judged once, not once per
+  request (the verifier reads ~3 ms a pair on one thread: 200 identical requests made ~44
+  lookups, seconds of it, every other lookup waiting behind them). The lookup runs in a task
+  of its own, so that a requester leaving cancels nothing another waits on; the last one
+  leaving cancels it.
 - ``probe(view, max_age, prompt_prefix)`` embeds the text (only when its scope holds entries at
   all), asks the scope's ANN index for the nearest entries, and keeps those at or above the
   threshold, unexpired and younger than ``max_age`` (``Cache-Control``), on the cache's
@@ -105,6 +112,7 @@ How the defaults were chosen: docs/semantic.md and ``scripts/train_verifier.py``
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import logging
@@ -259,6 +267,14 @@ class Probe:
     failed: bool = False  # the embedder failed: no entry is made for this text either
 
 
+@dataclass
+class _Lookup:
+    """A lookup in progress (``probe``'s ``key``) and how many requests wait for it."""
+
+    task: asyncio.Future[Probe]
+    waiters: int = 0
+
+
 class SemanticCache:
     def __init__(
         self,
@@ -292,6 +308,8 @@ class SemanticCache:
         self._ids = itertools.count(1)
         self.rejections: dict[str, int] = {}  # guard verdicts by reason, for /stats
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
+        self._lookups: dict[tuple[str, float | None], _Lookup] = {}  # in progress, by key
+        self.lookups_joined = 0  # lookups that joined an identical one in progress
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
         # The embedder's vectors are not the length semantic.embedding_dim says (a setting to
@@ -388,9 +406,45 @@ class SemanticCache:
         view: SemanticView,
         max_age: float | None = None,
         prompt_prefix: Callable[[], str] | None = None,
+        *,
+        key: str | None = None,
     ) -> Probe:
         """``prompt_prefix``: the requester's prompt prefix (``lead.prompt_prefix``), asked only
-        when a prefix invalidation is remembered; None: unknown (every one applies)."""
+        when a prefix invalidation is remembered; None: unknown (every one applies). ``key``:
+        the request's (its fingerprint's), whose lookup in progress this one joins."""
+        if key is None:
+            return await self._probe(view, max_age, prompt_prefix)
+        shared = (key, max_age)
+        lookup = self._lookups.get(shared)
+        if lookup is None:
+            task = asyncio.ensure_future(self._probe(view, max_age, prompt_prefix))
+            lookup = self._lookups[shared] = _Lookup(task)
+            task.add_done_callback(partial(self._looked_up, shared, lookup))
+        else:
+            self.lookups_joined += 1
+        lookup.waiters += 1
+        try:
+            return await asyncio.shield(lookup.task)
+        finally:
+            lookup.waiters -= 1
+            if not lookup.waiters and not lookup.task.done():
+                lookup.task.cancel()  # (nobody waits for it)
+                self._looked_up(shared, lookup)
+
+    @property
+    def lookups_in_progress(self) -> int:
+        return len(self._lookups)
+
+    def _looked_up(self, shared: tuple[str, float | None], lookup: _Lookup, *_: Any) -> None:
+        if self._lookups.get(shared) is lookup:
+            del self._lookups[shared]
+
+    async def _probe(
+        self,
+        view: SemanticView,
+        max_age: float | None,
+        prompt_prefix: Callable[[], str] | None,
+    ) -> Probe:
         view = focus(view)
         index = self._scopes.get(view.scope)
         if index is None:
