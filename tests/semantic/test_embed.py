@@ -595,6 +595,35 @@ def test_fetch_model_deletes_the_bytes_it_refused_so_the_next_fetch_downloads_th
         hub.close()
 
 
+@pytest.mark.parametrize("variable", ["HTTPS_PROXY", "https_proxy", "ALL_PROXY"])
+def test_fetch_model_with_a_proxy_setting_it_cannot_read_says_so_without_a_traceback(
+    tmp_path, variable
+):
+    # The hub client's HTTP client refused the environment's proxy URL as it was made: a
+    # 20-line traceback ending in "InvalidURL: Invalid port: ':1'", and nothing said which
+    # setting it was.
+    pytest.importorskip("huggingface_hub")
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()
+    }
+    env.update(
+        HF_ENDPOINT="http://127.0.0.1:9",  # (never reached)
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HOME=str(tmp_path / "hf"),
+        **{variable: "http://[::1"},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "carpool: could not fetch the model" in done.stderr, done.stderr
+    assert variable in done.stderr and "Traceback" not in done.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # The upstream embedder
 

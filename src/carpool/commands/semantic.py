@@ -282,6 +282,10 @@ def _check_decisions(path: str, pair_files: tuple[str, ...]) -> TextIO | None:
         ) from None
 
 
+#: What a client reads its proxy from (in either case: ``fetch-model``'s message names them).
+_PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
+
+
 @click.command("fetch-model")
 @click.option(
     "--cache-dir",
@@ -309,11 +313,14 @@ def fetch_model(cache_dir: str | None) -> None:
     except (SemanticDependencyError, HubClientError) as error:  # (the setting up, not a fetch)
         click.echo(f"carpool: {error}", err=True)
         sys.exit(2)
-    except OSError as error:  # no network, no such revision... (first: 0.23's are ValueErrors too)
-        click.echo(f"carpool: could not fetch the model: {error}", err=True)
-        sys.exit(1)
-    except ValueError as error:  # a digest differs
-        click.echo(f"carpool: {error}", err=True)
+    except Exception as error:  # no network, no such revision, a digest differs...
+        # (Any: the hub client's HTTP client raised its own InvalidURL for a proxy setting it
+        # could not read, a traceback naming no setting.)
+        said = str(error) if isinstance(error, OSError | ValueError) else f"{error!r}"
+        named = sorted(k for k, v in os.environ.items() if v and k.lower() in _PROXY_VARIABLES)
+        if named:
+            said += f" (the environment names a proxy: {', '.join(named)})"
+        click.echo(f"carpool: could not fetch the model: {said}", err=True)
         sys.exit(1)
     click.echo(str(directory))
     if cache_dir is not None:
