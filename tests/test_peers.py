@@ -999,7 +999,9 @@ async def test_a_keyed_request_whose_owner_died_holding_it_says_a_retry_may_run_
             async with serve_app(create_app(replacement)):
                 retry = await served.chat("Charge my card", headers=headers)
             assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
-            assert fake.count() == 1 and replacement.snapshot()["upstream_calls"] == 1
+            # (The call made by its key's owner, which the record's asks: either of the two.)
+            calls = sum(g.snapshot()["upstream_calls"] for g in (gateway, replacement))
+            assert fake.count() == 1 and calls == 1
     finally:
         peers.remove(directory)
 
@@ -1048,7 +1050,9 @@ async def test_a_worker_without_a_slot_asks_the_owners_until_one_frees_then_owns
                 for where in (new, w0, new):
                     again = await where.chat("Charge my card", headers={"idempotency-key": key})
                     assert again.status_code == 200
-                assert fake.count() == 2 and owner1.snapshot()["upstream_calls"] == 1
+                # (Its call made by the key's owner: asked by the record's, which leads it.)
+                calls = sum(g.snapshot()["upstream_calls"] for g in (owner0, owner1))
+                assert fake.count() == 2 and calls == 2
                 # An invalidation on an owner reaches the newcomer, and one there reaches both.
                 async with httpx.AsyncClient(base_url=url1) as c1:
                     dropped = await c1.post("/admin/invalidate", json={"all": True}, headers=admin)

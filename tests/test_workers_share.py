@@ -249,6 +249,33 @@ async def test_an_idempotency_key_retry_on_the_other_worker_replays(fake, tmp_pa
         assert {r.status_code for r, _ in await served.spread(other, at_least=2)} == {422}
 
 
+async def test_keyed_requests_make_no_second_call_for_an_answer_another_worker_holds(
+    fake, tmp_path
+):
+    # A keyed request runs on the worker owning its record, which took it for a flight's call
+    # another worker had asked of it: led there, alone (no ask of the key's owner) and without
+    # a semantic lookup. Where the answer was only on the other worker (the first request
+    # landed on the key's owner), a new Idempotency-Key made a second upstream call for it.
+    questions = [f"Which worker holds answer {i}?" for i in range(8)]
+    async with workers(fake.url, tmp_path) as served:
+        for n, question in enumerate(questions, 1):
+            first, _ = await served.once(
+                lambda client, q=question: client.post("/v1/chat/completions", json=chat(q))
+            )
+            assert first.headers["x-carpool"] == "miss"
+            for k in range(10):  # (each key's record owned by either worker, at random)
+                keyed, _ = await served.once(
+                    lambda client, q=question, k=k: client.post(
+                        "/v1/chat/completions",
+                        json=chat(q),
+                        headers={"Idempotency-Key": f"{q}-{k}"},
+                    )
+                )
+                assert keyed.status_code == 200 and keyed.headers["x-carpool"] == "hit"
+                assert keyed.json() == first.json()
+            assert fake.count() == n
+
+
 async def test_a_clients_peer_header_is_not_trusted(fake, tmp_path):
     async with workers(fake.url, tmp_path) as served:
         forged = {"x-carpool-peer": "guessed"}

@@ -60,8 +60,9 @@ Contract:
   others ask instead of the upstream (``lead.py``), keeping its answer in their own caches (an
   answer the owner served from its cache is a ``hit`` here, with the ``age`` the owner said,
   streamed or whole); a request with an Idempotency-Key runs on the worker that owns its
-  record. A peer's request
-  (``ClientRequest.peer``) is led where it arrived, and skips the semantic probe its worker made.
+  record. A flight's call asked by another worker (``ClientRequest.peer``, no Idempotency-Key)
+  is led where it arrived, and skips the semantic probe its worker made; a keyed request passed
+  on whole is answered as any other (probed, its flight's call asked of the key's owner).
 - The HTTP server (``server.py``) and the library API (``Gateway.request``) share this path,
   and both time each request to its reply's end (``Gateway.observe``: the latency metrics).
   ``Gateway.request`` raises (``ValueError``, ``TypeError``) for arguments no HTTP request could
@@ -312,6 +313,12 @@ class Gateway:
         """Bypass, or: exact cache -> a flight in progress -> semantic cache -> lead a flight.
         ``remember``: the repeat memo's note of the request, taken once it has a reply or
         a flight (a bypass has no key to remember)."""
+        # A flight's call another worker asked of this one (``Peers.ask``, which sends no
+        # Idempotency-Key) is led here, alone, without the lookup that worker made. A keyed
+        # request passed on whole to its record's owner (``Peers.run_on``) is answered as any
+        # request arriving here: its worker looked up nothing, and its key's owner may hold
+        # the answer (asked, not called again upstream).
+        asked = client.peer and parse_key(client.headers) is None
         if key.key is None:
             _waiting(client)
             return await self.exchange.bypass(request, route)
@@ -335,7 +342,7 @@ class Gateway:
             view is not None
             and controls.may_read
             and read_age != 0
-            and not client.peer  # (its worker probed its own index: an exact answer is asked)
+            and not asked  # (its worker probed its own index: an exact answer is asked)
             and not self.flights.joinable(flying, join_age)
         ):
             assert self.semantic is not None  # (a view is made only with a semantic cache)
@@ -409,7 +416,7 @@ class Gateway:
             view,
             probe,
             epoch=self.flights.epoch,
-            alone=client.peer,
+            alone=asked,
             flying=flying,
         )
         ticket = self.flights.acquire(

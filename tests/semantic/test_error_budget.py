@@ -51,8 +51,10 @@ def semantic(judge_url: str | None = None, **settings: Any) -> dict[str, Any]:
     return {"semantic": config, "admin_token": ADMIN}
 
 
-async def ask(gw, content: str, namespace: str | None = None):
-    headers = {"x-carpool-namespace": namespace} if namespace else None
+async def ask(gw, content: str, namespace: str | None = None, max_age: int | None = None):
+    headers = {"x-carpool-namespace": namespace} if namespace else {}
+    if max_age is not None:
+        headers["cache-control"] = f"max-age={max_age}"
     response = await gw.client.post(
         "/v1/chat/completions",
         headers=headers,
@@ -162,14 +164,17 @@ async def test_a_failing_judge_is_a_miss(fake, gateway_with, judge, failure):
 
 
 async def test_identical_concurrent_paraphrases_ask_the_judge_once(fake, gateway_with, judge):
-    # 40 identical paraphrases at once sent the judge 40 identical questions at once.
+    # 40 identical paraphrases at once sent the judge 40 identical questions at once. (Each
+    # accepts another age: identical requests' lookups are one, ``SemanticCache.probe``.)
     fake_judge, url = judge
     fake_judge.decide = lambda a, b: True
     fake_judge.hang = asyncio.Event()
     config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 60_000})
     async with gateway_with(**config) as gw:
         await ask(gw, ROUTER)
-        lookups = [asyncio.ensure_future(ask(gw, PARAPHRASES[0])) for _ in range(40)]
+        lookups = [
+            asyncio.ensure_future(ask(gw, PARAPHRASES[0], max_age=600 + n)) for n in range(40)
+        ]
         asked = gw.gateway.layers.judge
         # Each lookup's question sent (before) or joined to the one asked (now).
         await eventually(

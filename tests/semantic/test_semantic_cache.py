@@ -1176,6 +1176,39 @@ async def test_a_semantic_entry_is_not_served_past_its_ttl(fake, gateway_with):
         assert expired.headers["x-carpool"] == "miss" and fake.count() == 3
 
 
+async def test_an_entry_that_aged_past_max_age_while_judged_is_not_served(fake, gateway_with):
+    # The entry's age was read as the lookup began: one judged for seconds (behind a burst, or
+    # joined by an identical request later: ``lookups_joined``) was served older than the
+    # requester's max-age, its Age header saying so.
+    from carpool.clock import ManualClock
+    from carpool.semantic.verdict import Reason, Rule
+
+    clock = ManualClock()
+    async with gateway_with(clock=clock, **SEMANTIC) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        clock.advance(8)
+        entered, release = threading.Event(), threading.Event()
+
+        def blocking(a: str, b: str) -> bool:
+            entered.set()
+            release.wait(10)
+            return False
+
+        guard = gw.gateway.semantic.guard
+        guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+        fresh = {"Cache-Control": "max-age=10"}
+        first = asyncio.create_task(ask(gw, "how can i reset my router", headers=fresh))
+        assert await asyncio.to_thread(entered.wait, 10)
+        clock.advance(5)  # (13 s old now)
+        joiner = asyncio.create_task(ask(gw, "how can i reset my router", headers=fresh))
+        await eventually(lambda: gw.gateway.semantic.lookups_joined == 1, what="the joiner")
+        release.set()
+        for reply in await asyncio.gather(first, joiner):
+            assert reply.headers["x-carpool"] in ("miss", "coalesced"), reply.headers
+        assert fake.count() == 2
+
+
 async def test_a_semantic_entry_is_served_within_its_ttl_on_the_gateways_clock(fake, gateway_with):
     # A clock behind the system's: the lookup found its fresh entries expired by the system's
     # time (and dropped them).

@@ -555,13 +555,16 @@ class SemanticCache:
                     continue
             # (Else the entry's answer itself: frames made for a streaming client are made once
             # and kept for the next, counted: ``_count_synthesized``.)
+            now = self._clock.now()
             if (
                 self._entries.peek(entry.id) is not entry
-                or entry.expires <= self._clock.now()
+                or entry.expires <= now
+                or (max_age is not None and now - entry.created >= max_age)
                 or self._predates(entry, prefix)
             ):
-                # Dropped (invalidated, forgotten, evicted) or expired while the guard read it:
-                # an invalidation that answered stops what was found before it too.
+                # Dropped (invalidated, forgotten, evicted), expired or older than the
+                # requester accepts while the guard read it (seconds behind a burst): an
+                # invalidation that answered stops what was found before it too.
                 continue
             probe.match = candidate
             self._entries.touch(entry.id)
