@@ -98,6 +98,7 @@ def gauges(layers: Layers) -> dict[str, Any]:
                         "embed_failures": semantic.embed_failures,
                         # (identical requests' lookups made once: ``SemanticCache.probe``)
                         "lookups_joined": semantic.lookups_joined,
+                        "lookups_shed": semantic.lookups_shed,  # (``semantic.max_lookups``)
                         # (a setting to correct, said once in the log: ``embed_problem``)
                         "embed_problem": semantic.embed_problem,
                     }

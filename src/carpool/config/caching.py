@@ -452,6 +452,15 @@ class SemanticConfig(Section):
         "`embedder: upstream` (a network call that may hang), none with local (the model in "
         "process cannot hang; a bound would only turn slow embeddings under load into misses).",
     )
+    max_lookups: int = Field(
+        32,
+        ge=1,
+        description="Most lookups in progress (identical requests share one); past it a "
+        "request is not looked up: a miss at once, no entry made for its prompt, counted in "
+        "/stats `layers.semantic.lookups_shed`. Lookups queue for the verifier, one pair at "
+        "a time (~3-4 ms a pair, up to `candidates` pairs a lookup): without a bound, lookups "
+        "arriving faster than it reads made every request wait seconds (docs/semantic.md).",
+    )
     max_entries: int = Field(
         100_000, ge=1, description="Most entries kept; least recently used evicted first."
     )

@@ -19,7 +19,10 @@ Contract:
   request (the verifier reads ~3 ms a pair on one thread: 200 identical requests made ~44
   lookups, seconds of it, every other lookup waiting behind them). The lookup runs in a task
   of its own, so that a requester leaving cancels nothing another waits on; the last one
-  leaving cancels it.
+  leaving cancels it. At most ``semantic.max_lookups`` are in progress: past it a lookup is
+  not made (``lookups_shed``): a miss at once, and no entry made for its prompt (which would
+  embed it), so that a rate of lookups over what the verifier reads (one pair at a time, ~3 ms
+  on this project's machine) costs hits, not a queue every request waits in.
 - ``probe(view, max_age, prompt_prefix)`` embeds the text (only when its scope holds entries at
   all), asks the scope's ANN index for the nearest entries, and keeps those at or above the
   threshold, unexpired and younger than ``max_age`` (``Cache-Control``), on the cache's
@@ -264,7 +267,9 @@ class Probe:
     vector: Any = None  # the text's embedding, reused when inserting
     match: Candidate | None = None  # the entry to serve, if any
     nearest: Candidate | None = None  # the most similar entry seen, served or not
-    failed: bool = False  # the embedder failed: no entry is made for this text either
+    # The embedder failed, or the lookup was shed (``max_lookups``): no entry is made for this
+    # text either.
+    failed: bool = False
 
 
 @dataclass
@@ -310,6 +315,7 @@ class SemanticCache:
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
         self._lookups: dict[tuple[str, float | None], _Lookup] = {}  # in progress, by key
         self.lookups_joined = 0  # lookups that joined an identical one in progress
+        self.lookups_shed = 0  # lookups not made: ``semantic.max_lookups`` in progress
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
         # The embedder's vectors are not the length semantic.embedding_dim says (a setting to
@@ -417,6 +423,11 @@ class SemanticCache:
         shared = (key, max_age)
         lookup = self._lookups.get(shared)
         if lookup is None:
+            if len(self._lookups) >= self.config.max_lookups:
+                # Behind (the verifier reads one pair at a time): a miss at once rather than a
+                # wait behind every lookup before it; nor an entry, which would embed.
+                self.lookups_shed += 1
+                return Probe(failed=True)
             task = asyncio.ensure_future(self._probe(view, max_age, prompt_prefix))
             lookup = self._lookups[shared] = _Lookup(task)
             task.add_done_callback(partial(self._looked_up, shared, lookup))
