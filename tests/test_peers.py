@@ -29,7 +29,7 @@ from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
 from carpool.peers.slots import spare_path
-from carpool.peers.workers import STALE_SPARE_S
+from carpool.peers.workers import ASKS, STALE_SPARE_S
 from carpool.pipeline import Gateway
 from carpool.redis.flight_relay import LOST
 from carpool.request import ClientRequest, parse
@@ -584,12 +584,12 @@ async def test_a_keyed_request_its_owner_took_but_did_not_answer_is_never_run_he
         peers.remove(directory)
 
 
-def out_of_descriptors_once(worker: Peers, owner: int) -> None:
+def out_of_descriptors_once(worker: Peers, owner: int, kind: str = "") -> None:
     """``worker``'s next connection to ``owner``'s socket fails as it does in a process with no
     file descriptor left (``carpool serve --workers 2`` under a low ``nofile`` limit): aiohttp's
     ``ClientConnectorError`` of ``EMFILE``, the socket never opened, ``owner`` alive. The
-    connection after it opens."""
-    connector = worker._session(owner).connector
+    connection after it opens. ``kind``: of its pools, the one (``ASKS``: a flight's asks)."""
+    connector = worker._session(owner, kind).connector
     assert connector is not None
     connect = connector.connect
 
@@ -641,7 +641,7 @@ async def test_a_call_asked_of_the_owner_by_a_worker_out_of_descriptors_is_a_503
         a = pair.a.gateway
         assert a.peers is not None
         question = owned_by(a, 1)
-        out_of_descriptors_once(a.peers, 1)
+        out_of_descriptors_once(a.peers, 1, ASKS)
         refused = await pair.a.chat(question)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "gateway_overloaded"
@@ -1388,7 +1388,8 @@ async def test_a_killed_spare_workers_socket_is_removed_not_tried_on_every_inval
         assert not killed.exists() and binding.exists()
         again = await pair.a.client.post("/admin/invalidate", json={"all": True}, headers=admin)
         assert again.status_code == 200
-        assert killed not in peers_a._sessions and binding in peers_a._sessions
+        held = {path for path, _ in peers_a._sessions}  # (a pool per socket and kind)
+        assert killed not in held and binding in held
         assert binding.exists()
 
 

@@ -276,6 +276,33 @@ async def test_keyed_requests_make_no_second_call_for_an_answer_another_worker_h
             assert fake.count() == n
 
 
+async def test_keyed_requests_past_the_peer_connections_never_wait_on_each_other(fake, tmp_path):
+    # A keyed request passed on whole to its record's owner held a connection of the pool to
+    # that worker while its flight asked the key's owner, the first worker, through the same
+    # kind of pool: with both pools full of such requests each waited for the other's until
+    # the owner's read timeout, then failed with a 503 ("took the request and did not
+    # answer"). A flight's ask has connections of its own.
+    settings = {
+        "limits": {"upstream_max_connections": 2, "upstream_timeout": 2},
+        "coalesce": {"join_timeout_ms": 1000},
+    }
+    async with workers(fake.url, tmp_path, settings) as served:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=served.base, timeout=60, limits=limits) as client:
+            replies = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions",
+                        json=chat(f"A question of its own, number {i}?"),
+                        headers={"Idempotency-Key": f"key-{i}"},
+                    )
+                    for i in range(60)
+                )
+            )
+        assert collections.Counter(r.status_code for r in replies) == {200: 60}
+        assert fake.count() == 60
+
+
 async def test_a_clients_peer_header_is_not_trusted(fake, tmp_path):
     async with workers(fake.url, tmp_path) as served:
         forged = {"x-carpool-peer": "guessed"}

@@ -624,6 +624,50 @@ def test_fetch_model_with_a_proxy_setting_it_cannot_read_says_so_without_a_trace
     assert variable in done.stderr and "Traceback" not in done.stderr
 
 
+def test_fetch_model_says_a_refusal_of_the_hub_in_one_line(tmp_path):
+    # The hub client's message for a 401 ran over two lines (a link to a page about the status).
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    pytest.importorskip("huggingface_hub")
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()
+    }
+    env.update(
+        HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HOME=str(tmp_path / "hf"),
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    finally:
+        server.shutdown()
+    assert done.returncode == 1, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("carpool:")]
+    assert len(said) == 1 and "401" in said[0], done.stderr
+    after = done.stderr.split(said[0], 1)[1]
+    assert not after.strip(), done.stderr  # (nothing of its message on the lines after)
+
+
 # ------------------------------------------------------------------------------------------------
 # The upstream embedder
 

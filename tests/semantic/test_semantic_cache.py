@@ -1300,6 +1300,25 @@ async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_an
         assert fake.count() == 2
 
 
+async def test_a_lookup_that_waited_for_nothing_reads_the_exact_cache_once(sgw, fake):
+    # (A second read is for an answer stored while the lookup waited: with Redis, a round
+    # trip.) A scope without entries embeds nothing: one read.
+    reads = []
+    get = sgw.gateway.store.get
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[0])
+        return await get(*args, **kwargs)
+
+    sgw.gateway.store.get = counted
+    assert (await ask(sgw, "How do I reset my router?")).headers["x-carpool"] == "miss"
+    assert len(reads) == 1
+    await stored(sgw)
+    reads.clear()
+    assert (await ask(sgw, "What is the capital of Peru?")).headers["x-carpool"] == "miss"
+    assert len(reads) == 2  # (its lookup embedded, judged: read again after)
+
+
 async def test_identical_lookups_in_progress_share_one(sgw, fake):
     # Each of a burst of identical requests made the lookup of its own: 200 of one prompt in a
     # populated scope were ~44 lookups judged (~3 ms a pair, on the verifier's one thread),

@@ -317,6 +317,7 @@ def fetch_model(cache_dir: str | None) -> None:
         # (Any: the hub client's HTTP client raised its own InvalidURL for a proxy setting it
         # could not read, a traceback naming no setting.)
         said = str(error) if isinstance(error, OSError | ValueError) else f"{error!r}"
+        said = "; ".join(line.strip() for line in said.splitlines() if line.strip())
         named = sorted(k for k, v in os.environ.items() if v and k.lower() in _PROXY_VARIABLES)
         if named:
             said += f" (the environment names a proxy: {', '.join(named)})"

@@ -27,6 +27,12 @@ Contract:
   ``run_on`` answers it, in the request's API's shape: nothing run here (its record would be
   where the retries, reaching the owner, do not look: the generation ran twice), nothing
   waited, the owner not counted ``unreachable`` nor held for gone.
+- The asks have connections of their own (``ASKS``: a pool per owner apart from the requests
+  ``run_on`` sends, each at most ``limits.upstream_max_connections``): a keyed request run on
+  its record's owner holds a connection there while its flight asks the key's owner, which may
+  be the worker it came from; sharing one pool, two workers' pools full of such requests each
+  waited for the other's until the owner's read timeout (a 503). An ask waits on nothing
+  further: its owner leads it alone.
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
@@ -136,6 +142,8 @@ _HOP = HOP_BY_HOP | {
     CONNECTION_HEADER.decode(),
 }
 _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
+#: The kind of connection a flight's ask takes (``_session``): a pool apart.
+ASKS = "asks"
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).
 _NOT_RELAYED = frozenset(
@@ -197,7 +205,7 @@ class Peers:
         # keyed request's 503): the server keeps it ``client_keepalive``, the client half.
         self._keepalive_s = limits.client_keepalive
         self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
-        self._sessions: dict[Path, aiohttp.ClientSession] = {}
+        self._sessions: dict[tuple[Path, str], aiohttp.ClientSession] = {}
         self._server = PeerServer()
         self._door: PeerApp | None = None
         # Without a slot: the spare socket it listens on, and its tries for a slot.
@@ -231,7 +239,7 @@ class Peers:
         headers["content-type"] = "application/json"
         url = _url(request.api.path, call.query)
         try:
-            response = await self._session(owner).post(
+            response = await self._session(owner, ASKS).post(
                 url, data=orjson.dumps(call.body), headers=headers
             )
         except _FAILED as error:
@@ -355,8 +363,8 @@ class Peers:
             *(socket_path(self.directory, i) for i in range(self.count) if i != self.index),
             *(path for path in spares(self.directory) if path != own),
         ]
-        for path in [p for p in self._sessions if _is_spare(p) and p not in others]:
-            if (session := self._sessions.pop(path, None)) is not None:
+        for held in [h for h in self._sessions if _is_spare(h[0]) and h[0] not in others]:
+            if (session := self._sessions.pop(held, None)) is not None:
                 await session.close()
         return others
 
@@ -531,12 +539,13 @@ class Peers:
         self.unreachable += 1
         log.info("worker %d did not answer (%s): done here instead", owner, _why(error))
 
-    def _session(self, worker: int | Path) -> aiohttp.ClientSession:
-        """The connections to ``worker``'s socket (an index: its slot's; or a socket's path)."""
+    def _session(self, worker: int | Path, kind: str = "") -> aiohttp.ClientSession:
+        """The connections to ``worker``'s socket (an index: its slot's; or a socket's path);
+        ``kind`` ``ASKS``: those of the flights' asks, a pool apart (the module's contract)."""
         path = worker if isinstance(worker, Path) else socket_path(self.directory, worker)
-        session = self._sessions.get(path)
+        session = self._sessions.get((path, kind))
         if session is None or session.closed:
-            session = self._sessions[path] = aiohttp.ClientSession(
+            session = self._sessions[path, kind] = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(
                     path=str(path),
                     limit=self._max_connections,
