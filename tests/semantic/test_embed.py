@@ -555,6 +555,29 @@ class FakeHub:
         self.server.server_close()
 
 
+def fetch_model_run(tmp_path: Path, hub: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``carpool fetch-model --cache-dir tmp_path/cache`` against the hub at ``hub``, in an
+    environment without the machine's HF_* and proxy settings, ``env`` added."""
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()
+    }
+    clean.update(HF_ENDPOINT=hub, HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf"))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "carpool.cli",
+            "fetch-model",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **env},
+    )
+
+
 def test_fetch_model_deletes_the_bytes_it_refused_so_the_next_fetch_downloads_them_afresh(
     tmp_path, model_dir
 ):
@@ -562,18 +585,9 @@ def test_fetch_model_deletes_the_bytes_it_refused_so_the_next_fetch_downloads_th
     # cached bytes (its blob, by ETag) again, and every later fetch-model failed the digest.
     pytest.importorskip("huggingface_hub")
     hub = FakeHub({name: (model_dir / name).read_bytes() for name in E.MODEL_SHA256})
-    cache = tmp_path / "cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf"))
 
     def fetch() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(cache)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
+        return fetch_model_run(tmp_path, hub.url)
 
     try:
         first = fetch()
@@ -603,22 +617,7 @@ def test_fetch_model_with_a_proxy_setting_it_cannot_read_says_so_without_a_trace
     # 20-line traceback ending in "InvalidURL: Invalid port: ':1'", and nothing said which
     # setting it was.
     pytest.importorskip("huggingface_hub")
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()
-    }
-    env.update(
-        HF_ENDPOINT="http://127.0.0.1:9",  # (never reached)
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HOME=str(tmp_path / "hf"),
-        **{variable: "http://[::1"},
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    done = fetch_model_run(tmp_path, "http://127.0.0.1:9", **{variable: "http://[::1"})
     assert done.returncode == 1, done.stderr
     assert "carpool: could not fetch the model" in done.stderr, done.stderr
     assert variable in done.stderr and "Traceback" not in done.stderr
@@ -643,22 +642,8 @@ def test_fetch_model_says_a_refusal_of_the_hub_in_one_line(tmp_path):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()
-    }
-    env.update(
-        HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HOME=str(tmp_path / "hf"),
-    )
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "carpool.cli", "fetch-model", "--cache-dir", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
+        done = fetch_model_run(tmp_path, f"http://127.0.0.1:{server.server_address[1]}")
     finally:
         server.shutdown()
     assert done.returncode == 1, done.stderr

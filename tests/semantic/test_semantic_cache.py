@@ -1176,34 +1176,51 @@ async def test_a_semantic_entry_is_not_served_past_its_ttl(fake, gateway_with):
         assert expired.headers["x-carpool"] == "miss" and fake.count() == 3
 
 
+class HeldLookups:
+    """A rule put first in ``gw``'s guard that holds each lookup it reads (on the rules' worker
+    thread) until ``release``: ``held(n)`` waits for ``n`` more to be held; ``judged``: the
+    texts read, ``released``: whether each was released (False: nobody did, in 10 s)."""
+
+    def __init__(self, gw: Any) -> None:
+        from carpool.semantic.verdict import Reason, Rule
+
+        self.release = threading.Event()
+        self.judged: list[str] = []
+        self.released: list[bool] = []
+        self._entered = threading.Semaphore(0)
+        guard = gw.gateway.semantic.guard
+        guard.rules = (Rule(Reason.ORDER, self._hold), *guard.rules)
+
+    def _hold(self, a: str, b: str) -> bool:
+        self.judged.append(a)
+        self._entered.release()
+        self.released.append(self.release.wait(10))
+        return False
+
+    async def held(self, n: int = 1) -> None:
+        for _ in range(n):
+            assert await asyncio.to_thread(self._entered.acquire, True, 10)
+
+
 async def test_an_entry_that_aged_past_max_age_while_judged_is_not_served(fake, gateway_with):
     # The entry's age was read as the lookup began: one judged for seconds (behind a burst, or
     # joined by an identical request later: ``lookups_joined``) was served older than the
     # requester's max-age, its Age header saying so.
     from carpool.clock import ManualClock
-    from carpool.semantic.verdict import Reason, Rule
 
     clock = ManualClock()
     async with gateway_with(clock=clock, **SEMANTIC) as gw:
         await ask(gw, "How do I reset my router?")
         await stored(gw)
         clock.advance(8)
-        entered, release = threading.Event(), threading.Event()
-
-        def blocking(a: str, b: str) -> bool:
-            entered.set()
-            release.wait(10)
-            return False
-
-        guard = gw.gateway.semantic.guard
-        guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+        lookups = HeldLookups(gw)
         fresh = {"Cache-Control": "max-age=10"}
         first = asyncio.create_task(ask(gw, "how can i reset my router", headers=fresh))
-        assert await asyncio.to_thread(entered.wait, 10)
+        await lookups.held()
         clock.advance(5)  # (13 s old now)
         joiner = asyncio.create_task(ask(gw, "how can i reset my router", headers=fresh))
         await eventually(lambda: gw.gateway.semantic.lookups_joined == 1, what="the joiner")
-        release.set()
+        lookups.release.set()
         for reply in await asyncio.gather(first, joiner):
             assert reply.headers["x-carpool"] in ("miss", "coalesced"), reply.headers
         assert fake.count() == 2
@@ -1242,28 +1259,18 @@ async def test_a_slow_guard_never_holds_up_another_tenants_exact_hit(sgw, fake):
     # The guard's rules ran on the event loop: a lookup they were slow on (a few hundred
     # permuted words: ~19 s) held up every other request. Here a rule blocks until the test
     # releases it; another tenant's exact hit must be answered meanwhile.
-    from carpool.semantic.verdict import Reason, Rule
-
     victim, attacker = {"authorization": "Bearer victim"}, {"authorization": "Bearer attacker"}
     await ask(sgw, "What is carpool?", headers=victim)
     await ask(sgw, "How do I reset my router?", headers=attacker)
     await stored(sgw, 2)
-    entered, release, released = threading.Event(), threading.Event(), []
-
-    def blocking(a: str, b: str) -> bool:
-        entered.set()
-        released.append(release.wait(10))  # (False: nobody released it, the loop was held)
-        return False
-
-    guard = sgw.gateway.semantic.guard
-    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    lookups = HeldLookups(sgw)
     lookup = asyncio.create_task(ask(sgw, "how can i reset my router", headers=attacker))
-    assert await asyncio.to_thread(entered.wait, 10)
+    await lookups.held()
     repeat = await ask(sgw, "What is carpool?", headers=victim)  # while the rule is blocked
-    assert repeat.headers["x-carpool"] == "hit" and not release.is_set()
-    release.set()
+    assert repeat.headers["x-carpool"] == "hit" and not lookups.release.is_set()
+    lookups.release.set()
     assert (await lookup).headers["x-carpool"] == "semantic-hit"
-    assert released == [True]
+    assert lookups.released == [True]  # (False: nobody released it, the loop was held)
 
 
 async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_another_call(
@@ -1274,28 +1281,18 @@ async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_an
     # request led a call of its own although the exact cache held the answer (3 upstream
     # calls for 200 identical requests). Here a rule holds the lookup while an identical
     # request, asking no-cache (no lookup), is answered and stored.
-    from carpool.semantic.verdict import Reason, Rule
-
     async with gateway_with(semantic={"enabled": True}, coalesce={"window_ms": 0}) as gw:
         await ask(gw, "How do I reset my router?")
         await stored(gw)
-        entered, release, released = threading.Event(), threading.Event(), []
-
-        def blocking(a: str, b: str) -> bool:
-            entered.set()
-            released.append(release.wait(10))
-            return False
-
-        guard = gw.gateway.semantic.guard
-        guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+        lookups = HeldLookups(gw)
         prompt = "How do I update the billing details of my router?"
         lookup = asyncio.create_task(ask(gw, prompt))
-        assert await asyncio.to_thread(entered.wait, 10)
+        await lookups.held()
         fresh = await ask(gw, prompt, headers={"cache-control": "no-cache"})
         assert fresh.headers["x-carpool"] == "miss" and fake.count() == 2
-        release.set()
+        lookups.release.set()
         judged = await lookup
-        assert released == [True]
+        assert lookups.released == [True]
         assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
         assert fake.count() == 2
 
@@ -1323,28 +1320,17 @@ async def test_identical_lookups_in_progress_share_one(sgw, fake):
     # Each of a burst of identical requests made the lookup of its own: 200 of one prompt in a
     # populated scope were ~44 lookups judged (~3 ms a pair, on the verifier's one thread),
     # seconds of the verifier for one prompt, every other lookup waiting behind them.
-    from carpool.semantic.verdict import Reason, Rule
-
     await ask(sgw, "How do I reset my router?")
     await stored(sgw)
-    entered, release, judged = threading.Event(), threading.Event(), []
-
-    def blocking(a: str, b: str) -> bool:
-        judged.append(a)
-        entered.set()
-        release.wait(10)
-        return False
-
-    guard = sgw.gateway.semantic.guard
-    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    lookups = HeldLookups(sgw)
     prompt = "How do I update the billing details of my router?"
     first = asyncio.create_task(ask(sgw, prompt))
-    assert await asyncio.to_thread(entered.wait, 10)
+    await lookups.held()
     others = [asyncio.create_task(ask(sgw, prompt)) for _ in range(3)]
     await eventually(lambda: sgw.gateway.semantic.lookups_joined == 3, what="the lookups joined")
-    release.set()
+    lookups.release.set()
     replies = await asyncio.gather(first, *others)
-    assert len(judged) == 1 and fake.count() == 2
+    assert len(lookups.judged) == 1 and fake.count() == 2
     assert sorted(r.headers["x-carpool"] for r in replies) == ["coalesced"] * 3 + ["miss"]
     stats = (await sgw.client.get("/stats")).json()
     assert stats["layers"]["semantic"]["lookups_joined"] == 3
@@ -1353,40 +1339,29 @@ async def test_identical_lookups_in_progress_share_one(sgw, fake):
 async def test_a_lookup_whose_requesters_all_left_is_cancelled(sgw, fake):
     # (As a flight whose clients all left: nobody would read it.) One requester left while
     # another waits: the lookup goes on for it.
-    from carpool.semantic.verdict import Reason, Rule
-
     await ask(sgw, "How do I reset my router?")
     await stored(sgw)
-    entered, release = threading.Event(), threading.Event()
-
-    def blocking(a: str, b: str) -> bool:
-        entered.set()
-        release.wait(10)
-        return False
-
-    guard = sgw.gateway.semantic.guard
-    guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+    lookups = HeldLookups(sgw)
     cache = sgw.gateway.semantic
     view = semantic_view_of(sgw, "How do I update the billing details of my router?")
     first = asyncio.create_task(cache.probe(view, key="k"))
-    assert await asyncio.to_thread(entered.wait, 10)
+    await lookups.held()
     second = asyncio.create_task(cache.probe(view, key="k"))
     await eventually(lambda: cache.lookups_joined == 1, what="the second lookup joined")
     first.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await first
     assert not second.done()
-    release.set()
+    lookups.release.set()
     assert (await second).match is None
-    entered.clear()
-    release.clear()
+    lookups.release.clear()
     third = asyncio.create_task(cache.probe(view, key="k"))
-    assert await asyncio.to_thread(entered.wait, 10)
+    await lookups.held()
     third.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await third
     assert cache.lookups_in_progress == 0  # (cancelled: nobody waits)
-    release.set()
+    lookups.release.set()
 
 
 async def test_lookups_past_max_lookups_in_progress_are_misses_that_make_no_entry(
@@ -1396,31 +1371,20 @@ async def test_lookups_past_max_lookups_in_progress_are_misses_that_make_no_entr
     # paraphrases (carpool bench) a miss's p50 went from 0.2 s without the semantic cache to
     # 3.4 s with it, every request waiting behind the lookups before it. Past the bound a
     # lookup is not made: a miss, no entry made (it would embed), counted.
-    from carpool.semantic.verdict import Reason, Rule
-
     async with gateway_with(semantic={"enabled": True, "max_lookups": 2}) as gw:
         await ask(gw, "How do I reset my router?")
         await stored(gw)
-        release, entered = threading.Event(), threading.Semaphore(0)
-
-        def blocking(a: str, b: str) -> bool:
-            entered.release()
-            release.wait(10)
-            return False
-
-        guard = gw.gateway.semantic.guard
-        guard.rules = (Rule(Reason.ORDER, blocking), *guard.rules)
+        lookups = HeldLookups(gw)
         held = [
             asyncio.create_task(ask(gw, text))
             for text in ("how can i reset my router", "how could i reset my router?")
         ]
-        for _ in held:
-            assert await asyncio.to_thread(entered.acquire, True, 10)
+        await lookups.held(2)
         shed = await ask(gw, "how should i reset my router?")
-        assert shed.headers["x-carpool"] == "miss" and not release.is_set()
+        assert shed.headers["x-carpool"] == "miss" and not lookups.release.is_set()
         stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
         assert stats["lookups_shed"] == 1 and stats["entries"] == 1  # (none made for it)
-        release.set()
+        lookups.release.set()
         assert [r.headers["x-carpool"] for r in await asyncio.gather(*held)] == ["semantic-hit"] * 2
         assert gw.gateway.semantic.lookups_in_progress == 0
 
