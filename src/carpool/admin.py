@@ -98,7 +98,9 @@ def gauges(layers: Layers) -> dict[str, Any]:
                         "embed_failures": semantic.embed_failures,
                         # (identical requests' lookups made once: ``SemanticCache.probe``)
                         "lookups_joined": semantic.lookups_joined,
-                        "lookups_shed": semantic.lookups_shed,  # (``semantic.max_lookups``)
+                        # (``semantic.max_pending`` in progress: not looked up, not made)
+                        "lookups_shed": semantic.lookups_shed,
+                        "entries_shed": semantic.entries_shed,
                         # (a setting to correct, said once in the log: ``embed_problem``)
                         "embed_problem": semantic.embed_problem,
                     }

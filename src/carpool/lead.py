@@ -398,6 +398,8 @@ class Leader:
             except Exception as error:
                 self.semantic.embed_failed(error)
                 return key.key
+            if vector is None:  # (none made: ``semantic.max_pending`` busy, ``entries_shed``)
+                return key.key
         try:
             await self._insert_semantic(
                 view,
@@ -441,6 +443,8 @@ class Leader:
                 vector = await self.semantic.vector(view)
             except Exception as error:  # (the cache's failure, counted: no entry)
                 self.semantic.embed_failed(error)
+                return
+            if vector is None:  # (none made: ``semantic.max_pending`` busy, ``entries_shed``)
                 return
         # Checked again once the prompt is embedded: an invalidation (or a DELETE of the
         # response it is or continues) may have come meanwhile. Another instance's reaches

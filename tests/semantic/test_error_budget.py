@@ -169,7 +169,7 @@ async def test_identical_concurrent_paraphrases_ask_the_judge_once(fake, gateway
     fake_judge, url = judge
     fake_judge.decide = lambda a, b: True
     fake_judge.hang = asyncio.Event()
-    config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 60_000}, max_lookups=64)
+    config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 60_000}, max_pending=64)
     async with gateway_with(**config) as gw:
         await ask(gw, ROUTER)
         lookups = [

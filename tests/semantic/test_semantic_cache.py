@@ -1360,18 +1360,16 @@ async def test_a_lookup_whose_requesters_all_left_is_cancelled(sgw, fake):
     third.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await third
-    assert cache.lookups_in_progress == 0  # (cancelled: nobody waits)
+    assert cache.pending == 0  # (cancelled: nobody waits)
     lookups.release.set()
 
 
-async def test_lookups_past_max_lookups_in_progress_are_misses_that_make_no_entry(
-    fake, gateway_with
-):
+async def test_lookups_past_max_pending_are_misses_that_make_no_entry(fake, gateway_with):
     # Lookups queued without bound on the verifier's one thread: at 400 requests/s of
     # paraphrases (carpool bench) a miss's p50 went from 0.2 s without the semantic cache to
     # 3.4 s with it, every request waiting behind the lookups before it. Past the bound a
     # lookup is not made: a miss, no entry made (it would embed), counted.
-    async with gateway_with(semantic={"enabled": True, "max_lookups": 2}) as gw:
+    async with gateway_with(semantic={"enabled": True, "max_pending": 2}) as gw:
         await ask(gw, "How do I reset my router?")
         await stored(gw)
         lookups = HeldLookups(gw)
@@ -1386,7 +1384,33 @@ async def test_lookups_past_max_lookups_in_progress_are_misses_that_make_no_entr
         assert stats["lookups_shed"] == 1 and stats["entries"] == 1  # (none made for it)
         lookups.release.set()
         assert [r.headers["x-carpool"] for r in await asyncio.gather(*held)] == ["semantic-hit"] * 2
-        assert gw.gateway.semantic.lookups_in_progress == 0
+        assert gw.gateway.semantic.pending == 0
+
+
+async def test_an_entry_to_embed_past_max_pending_is_not_made_and_its_reply_never_waits(
+    fake, gateway_with
+):
+    # A miss in a scope without entries looks nothing up, but embeds its prompt for its entry,
+    # and its reply waited for that (no timeout with the local embedder): with a prompt of
+    # its own each (a dated system prompt, a tenant each), misses queued on the embedder
+    # without bound (60 requests/s of 200 words: replies 4.5 s late after 4 s), the lookups
+    # of other scopes behind them. Past the bound no entry is made: the reply goes at once.
+    async with gateway_with(semantic={"enabled": True, "max_pending": 1}) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        lookups = HeldLookups(gw)
+        held = asyncio.create_task(ask(gw, "how can i reset my router"))
+        await lookups.held()
+        alone = await ask(gw, "What is the capital of Peru?", system="You are a geographer.")
+        assert alone.headers["x-carpool"] == "miss" and not lookups.release.is_set()
+        stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
+        assert stats["entries_shed"] == 1 and stats["entries"] == 1  # (none made for it)
+        lookups.release.set()
+        assert (await held).headers["x-carpool"] == "semantic-hit"
+        made = await ask(gw, "What is the capital of Chile?", system="You are a geographer.")
+        assert made.headers["x-carpool"] == "miss"
+        await stored(gw, 2)  # (not busy: its entry made)
+        assert gw.gateway.semantic.embed_failures == 0  # (a shed entry is no failure)
 
 
 async def test_a_serve_mode_miss_never_names_the_entry_it_was_near(sgw, fake):

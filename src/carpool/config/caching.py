@@ -452,14 +452,16 @@ class SemanticConfig(Section):
         "`embedder: upstream` (a network call that may hang), none with local (the model in "
         "process cannot hang; a bound would only turn slow embeddings under load into misses).",
     )
-    max_lookups: int = Field(
+    max_pending: int = Field(
         32,
         ge=1,
-        description="Most lookups in progress (identical requests share one); past it a "
-        "request is not looked up: a miss at once, no entry made for its prompt, counted in "
-        "/stats `layers.semantic.lookups_shed`. Lookups queue for the verifier, one pair at "
-        "a time (~3-4 ms a pair, up to `candidates` pairs a lookup): without a bound, lookups "
-        "arriving faster than it reads made every request wait seconds (docs/semantic.md).",
+        description="Most lookups (identical requests share one) and embeddings of new "
+        "entries in progress; past it a request is not looked up (a miss at once, no entry "
+        "made for its prompt: /stats `layers.semantic.lookups_shed`), and a miss's prompt is "
+        "not embedded (no entry, its reply never waits for one: `entries_shed`). Lookups "
+        "queue for the verifier, one pair at a time (~3-4 ms a pair, up to `candidates` pairs "
+        "a lookup), embeddings for the embedder: without a bound, work arriving faster than "
+        "they do made every request wait seconds (docs/semantic.md).",
     )
     max_entries: int = Field(
         100_000, ge=1, description="Most entries kept; least recently used evicted first."

@@ -19,10 +19,14 @@ Contract:
   request (the verifier reads ~3 ms a pair on one thread: 200 identical requests made ~44
   lookups, seconds of it, every other lookup waiting behind them). The lookup runs in a task
   of its own, so that a requester leaving cancels nothing another waits on; the last one
-  leaving cancels it. At most ``semantic.max_lookups`` are in progress: past it a lookup is
-  not made (``lookups_shed``): a miss at once, and no entry made for its prompt (which would
-  embed it), so that a rate of lookups over what the verifier reads (one pair at a time, ~3 ms
-  on this project's machine) costs hits, not a queue every request waits in.
+  leaving cancels it. At most ``semantic.max_pending`` lookups and embeddings for entries
+  (``vector``: a miss whose lookup embedded nothing, its scope empty, embeds its prompt while
+  its call runs, and its reply waits for it) are in progress (``pending``): past it a lookup
+  is not made (``lookups_shed``): a miss at once, and no entry made for its prompt (which
+  would embed it); ``vector`` answers None (``entries_shed``): no entry is made, the reply
+  does not wait. A rate of work over what the verifier (one pair at a time, ~3 ms
+  on this project's machine) and the embedder (one thread) do costs hits and entries, not a
+  queue every request waits in.
 - ``probe(view, max_age, prompt_prefix)`` embeds the text (only when its scope holds entries at
   all), asks the scope's ANN index for the nearest entries, and keeps those at or above the
   threshold, unexpired and younger than ``max_age`` (``Cache-Control``), on the cache's
@@ -267,7 +271,7 @@ class Probe:
     vector: Any = None  # the text's embedding, reused when inserting
     match: Candidate | None = None  # the entry to serve, if any
     nearest: Candidate | None = None  # the most similar entry seen, served or not
-    # The embedder failed, or the lookup was shed (``max_lookups``): no entry is made for this
+    # The embedder failed, or the lookup was shed (``max_pending``): no entry is made for this
     # text either.
     failed: bool = False
 
@@ -315,7 +319,9 @@ class SemanticCache:
         self.embed_failures = 0  # texts the embedder failed (``embed_failed``)
         self._lookups: dict[tuple[str, float | None], _Lookup] = {}  # in progress, by key
         self.lookups_joined = 0  # lookups that joined an identical one in progress
-        self.lookups_shed = 0  # lookups not made: ``semantic.max_lookups`` in progress
+        self.lookups_shed = 0  # lookups not made: ``semantic.max_pending`` in progress
+        self.entries_shed = 0  # entries not embedded (so not made), for the same reason
+        self._embedding = 0  # ``vector`` calls in progress
         self.generation = 0  # invalidations applied (``invalidate``)
         self._failure_logged_at = float("-inf")
         # The embedder's vectors are not the length semantic.embedding_dim says (a setting to
@@ -397,8 +403,17 @@ class SemanticCache:
             )
 
     async def vector(self, view: SemanticView) -> Any:
-        """The embedding ``insert`` would compute for ``view`` (``focus(view).text``)."""
-        return await self._embed(focus(view).text)
+        """The embedding ``insert`` would compute for ``view`` (``focus(view).text``); None
+        when ``semantic.max_pending`` are in progress (``entries_shed``: no entry made, and no
+        failure of the embedder's)."""
+        if self.pending >= self.config.max_pending:
+            self.entries_shed += 1
+            return None
+        self._embedding += 1
+        try:
+            return await self._embed(focus(view).text)
+        finally:
+            self._embedding -= 1
 
     async def _embed(self, text: str) -> Any:
         """The embedder's vector of ``text``: one made says the problem kept is over (an
@@ -418,12 +433,15 @@ class SemanticCache:
         """``prompt_prefix``: the requester's prompt prefix (``lead.prompt_prefix``), asked only
         when a prefix invalidation is remembered; None: unknown (every one applies). ``key``:
         the request's (its fingerprint's), whose lookup in progress this one joins."""
+        view = focus(view)
+        if view.scope not in self._scopes:
+            return Probe()  # nothing to compare with: no embedding needed, nothing to share
         if key is None:
             return await self._probe(view, max_age, prompt_prefix)
         shared = (key, max_age)
         lookup = self._lookups.get(shared)
         if lookup is None:
-            if len(self._lookups) >= self.config.max_lookups:
+            if self.pending >= self.config.max_pending:
                 # Behind (the verifier reads one pair at a time): a miss at once rather than a
                 # wait behind every lookup before it; nor an entry, which would embed.
                 self.lookups_shed += 1
@@ -443,8 +461,10 @@ class SemanticCache:
                 self._looked_up(shared, lookup)
 
     @property
-    def lookups_in_progress(self) -> int:
-        return len(self._lookups)
+    def pending(self) -> int:
+        """Lookups (those of a ``key``: shared) and entries' embeddings (``vector``) in
+        progress, which ``semantic.max_pending`` bounds."""
+        return len(self._lookups) + self._embedding
 
     def _looked_up(self, shared: tuple[str, float | None], lookup: _Lookup, *_: Any) -> None:
         if self._lookups.get(shared) is lookup:
@@ -456,10 +476,10 @@ class SemanticCache:
         max_age: float | None,
         prompt_prefix: Callable[[], str] | None,
     ) -> Probe:
-        view = focus(view)
+        """``probe``'s lookup of ``view`` (focused already)."""
         index = self._scopes.get(view.scope)
         if index is None:
-            return Probe()  # nothing to compare with: no embedding needed
+            return Probe()  # (its scope's last entry gone meanwhile)
         try:
             vector = await self._embed(view.text)
         except Exception as error:  # (the cache's failure, not the request's: a miss)
