@@ -594,6 +594,38 @@ async def test_a_request_counted_under_its_outcome_is_timed_under_it_when_its_cl
     assert retry.headers["x-carpool"] == "hit" and fake.count() == items  # (what it kept)
 
 
+async def test_identical_replays_of_a_long_answer_in_progress_share_one_parse(
+    gw, fake, monkeypatch
+):
+    # Each retry of a key whose stored answer is long parsed it on the one parsing thread
+    # (~70 ms for 4.6 MB of a stream): 40 retries at once queued 2.9 s of parses, every other
+    # tenant's long replay waiting behind them. Identical replays in progress share one.
+    fake.answer_text = lambda number, body: " ".join(["word"] * 20_000)
+    first, text = await gw.stream_chat(headers=KEY)  # (its record: a stream over 64 KiB)
+    assert first.status_code == 200 and len(text) > OFF_LOOP_BYTES
+    parsed = []
+    real = once.replayed
+
+    def counted(*args: Any) -> Any:
+        parsed.append(args[1:])
+        return real(*args)
+
+    monkeypatch.setattr(once, "replayed", counted)
+    hold, holding = threading.Event(), threading.Event()
+    once._PARSING.submit(lambda: (holding.set(), hold.wait(WAIT_S)))  # (the thread busy)
+    assert await asyncio.to_thread(holding.wait, WAIT_S)
+    retries = [asyncio.create_task(gw.stream_chat(headers=KEY)) for _ in range(5)]
+    try:
+        await eventually(lambda: gw.gateway.once.replays_joined == 4, what="the retries joined")
+    finally:
+        hold.set()
+    for retry, replayed_text in await asyncio.gather(*retries):
+        assert retry.headers["idempotent-replayed"] == "true" and replayed_text == text
+    assert len(parsed) == 1 and fake.count() == 1
+    json_retry = await gw.chat(headers=KEY)  # (another format: a parse of its own)
+    assert json_retry.headers["idempotent-replayed"] == "true" and len(parsed) == 2
+
+
 async def test_a_key_still_running_is_never_evicted_by_the_records_bounds(fake, gateway_with):
     # In-process records beyond idempotency.max_records: a running one was the oldest, went
     # first, and its retry ran the generation again while the first still streamed.
