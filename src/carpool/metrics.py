@@ -350,6 +350,21 @@ class _StatsCollector(Collector):
             size.add_metric([layer], info["bytes"])
         yield entries
         yield size
+        if (semantic := g["layers"].get("semantic")) is not None:
+            shed = CounterMetricFamily(
+                "carpool_semantic_shed",
+                "Semantic work not done, semantic.max_pending being in progress: lookups not "
+                "made (a miss), entries not made (their prompt not embedded).",
+                labels=["work"],
+            )
+            shed.add_metric(["lookup"], semantic["lookups_shed"])
+            shed.add_metric(["entry"], semantic["entries_shed"])
+            yield shed
+            yield CounterMetricFamily(
+                "carpool_semantic_lookups_joined",
+                "Semantic lookups that joined an identical request's lookup in progress.",
+                value=semantic["lookups_joined"],
+            )
         memo = g["repeat_memo"]
         yield GaugeMetricFamily(
             "carpool_repeat_memo_entries",

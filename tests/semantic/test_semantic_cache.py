@@ -1334,6 +1334,7 @@ async def test_identical_lookups_in_progress_share_one(sgw, fake):
     assert sorted(r.headers["x-carpool"] for r in replies) == ["coalesced"] * 3 + ["miss"]
     stats = (await sgw.client.get("/stats")).json()
     assert stats["layers"]["semantic"]["lookups_joined"] == 3
+    assert "carpool_semantic_lookups_joined_total 3.0" in (await sgw.client.get("/metrics")).text
 
 
 async def test_a_lookup_whose_requesters_all_left_is_cancelled(sgw, fake):
@@ -1382,6 +1383,8 @@ async def test_lookups_past_max_pending_are_misses_that_make_no_entry(fake, gate
         assert shed.headers["x-carpool"] == "miss" and not lookups.release.is_set()
         stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
         assert stats["lookups_shed"] == 1 and stats["entries"] == 1  # (none made for it)
+        metrics = (await gw.client.get("/metrics")).text
+        assert 'carpool_semantic_shed_total{work="lookup"} 1.0' in metrics
         lookups.release.set()
         assert [r.headers["x-carpool"] for r in await asyncio.gather(*held)] == ["semantic-hit"] * 2
         assert gw.gateway.semantic.pending == 0
@@ -1405,6 +1408,8 @@ async def test_an_entry_to_embed_past_max_pending_is_not_made_and_its_reply_neve
         assert alone.headers["x-carpool"] == "miss" and not lookups.release.is_set()
         stats = (await gw.client.get("/stats")).json()["layers"]["semantic"]
         assert stats["entries_shed"] == 1 and stats["entries"] == 1  # (none made for it)
+        metrics = (await gw.client.get("/metrics")).text
+        assert 'carpool_semantic_shed_total{work="entry"} 1.0' in metrics
         lookups.release.set()
         assert (await held).headers["x-carpool"] == "semantic-hit"
         made = await ask(gw, "What is the capital of Chile?", system="You are a geographer.")
