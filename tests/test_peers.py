@@ -29,7 +29,7 @@ from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
 from carpool.peers.slots import spare_path
-from carpool.peers.workers import ASKS, STALE_SPARE_S
+from carpool.peers.workers import ASKS, OWN, STALE_SPARE_S
 from carpool.pipeline import Gateway
 from carpool.redis.flight_relay import LOST
 from carpool.request import ClientRequest, parse
@@ -39,7 +39,7 @@ from carpool.store.base import state_tag
 from carpool.wiring import build_gateway
 from conftest import Served
 from fakes.serving import serve_app
-from fakes.waiting import eventually
+from fakes.waiting import WAIT_S, eventually
 
 
 def meeting_place(count: int) -> Path:
@@ -588,7 +588,8 @@ def out_of_descriptors_once(worker: Peers, owner: int, kind: str = "") -> None:
     """``worker``'s next connection to ``owner``'s socket fails as it does in a process with no
     file descriptor left (``carpool serve --workers 2`` under a low ``nofile`` limit): aiohttp's
     ``ClientConnectorError`` of ``EMFILE``, the socket never opened, ``owner`` alive. The
-    connection after it opens. ``kind``: of its pools, the one (``ASKS``: a flight's asks)."""
+    connection after it opens. ``kind``: of its pools, the one (``ASKS``: a flight's asks;
+    ``OWN``: the workers' own calls)."""
     connector = worker._session(owner, kind).connector
     assert connector is not None
     connect = connector.connect
@@ -686,6 +687,31 @@ def scope_of_key(gateway: Gateway, idempotency_key: str) -> str:
     return scope_of(key, idempotency_key, request, gateway.config)
 
 
+async def test_the_workers_own_calls_never_wait_for_keyed_requests_passed_on(fake):
+    # An invalidation, and the scrape of another worker's /stats, took the connections of the
+    # keyed requests passed on whole: with those held by calls still running, an operator's
+    # invalidation waited for the calls to end (23 s in a review), a scrape left the worker
+    # out. The workers' own calls have connections of their own.
+    admin = {"authorization": "Bearer adm"}
+    limits = {"upstream_max_connections": 1}
+    async with two_workers(fake.url, admin_token="adm", limits=limits) as pair:
+        fake.gate = asyncio.Event()
+        key = idempotency_key_owned_by(pair.a.gateway, 1)
+        keyed = asyncio.create_task(pair.a.chat("Charge my card", headers={"idempotency-key": key}))
+        await fake.wait_for_calls(1)  # (its call held: a's one connection to b held with it)
+        try:
+            dropped = await asyncio.wait_for(
+                pair.a.client.post("/admin/invalidate", json={"all": True}, headers=admin),
+                WAIT_S,
+            )
+            assert dropped.status_code == 200, dropped.text
+            stats = (await pair.a.client.get("/stats", headers=admin)).json()
+            assert stats["run"]["workers"] == 2  # (b's read through its door)
+        finally:
+            fake.gate.set()
+        assert (await keyed).status_code == 200 and fake.count() == 1
+
+
 async def test_an_invalidation_is_not_undone_by_the_worker_that_takes_it_last(fake):
     """Three workers: the key's owner (2) takes an invalidation last; meanwhile worker 1, which
     took it, asks the owner and keeps its old answer as a hit. The invalidation passes every
@@ -737,7 +763,7 @@ async def test_an_invalidation_this_worker_could_not_send_for_want_of_descriptor
         question = owned_by(w0.gateway, 1)
         assert (await w1.chat(question)).headers["x-carpool"] == "miss"
         assert w0.gateway.peers is not None
-        out_of_descriptors_once(w0.gateway.peers, 1)
+        out_of_descriptors_once(w0.gateway.peers, 1, OWN)
         refused = await w0.client.post("/admin/invalidate", json={"all": True}, headers=admin)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert (await w1.chat(question)).headers["x-carpool"] == "hit"  # (what it kept)

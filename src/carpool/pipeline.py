@@ -399,11 +399,12 @@ class Gateway:
                     )
                 if audited:
                     unserved = budget, match, near
-        if probe is not None and probe.vector is not None:
+        if probe is not None and probe.waited:
             # The lookup waited for the embedder and the verifier (seconds, behind a burst of
-            # lookups): an identical request's answer may have been stored meanwhile and its
-            # flight's window closed. Served, not asked for again. (One that embedded nothing,
-            # its scope empty or the lookup shed, waited for nothing: not read twice.)
+            # lookups; an embedder's timeout): an identical request's answer may have been
+            # stored meanwhile and its flight's window closed. Served, not asked for again.
+            # (One that embedded nothing, its scope empty or the lookup shed, waited for
+            # nothing: not read twice.)
             hit = await self._exact_hit(route, request, key.key, read_age, remember)
             if hit is not None:
                 return hit

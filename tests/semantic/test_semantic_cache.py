@@ -1297,6 +1297,34 @@ async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_an
         assert fake.count() == 2
 
 
+async def test_an_answer_stored_while_a_lookups_embedding_failed_is_an_exact_hit(
+    fake, gateway_with
+):
+    # (As above, the embedder in place of the verifier: an upstream embedder's timeout is up
+    # to a second.) The lookup embedded nothing, and was taken for one that waited for nothing.
+    async with gateway_with(semantic={"enabled": True}, coalesce={"window_ms": 0}) as gw:
+        await ask(gw, "How do I reset my router?")
+        await stored(gw)
+        embedder = gw.gateway.semantic.embedder
+        embed, entered, release = embedder.embed, asyncio.Event(), asyncio.Event()
+
+        async def failing(text: str) -> Any:
+            entered.set()
+            await release.wait()
+            raise TimeoutError("the embedder timed out")
+
+        embedder.embed = failing
+        prompt = "How do I update the billing details of my router?"
+        lookup = asyncio.create_task(ask(gw, prompt))
+        await asyncio.wait_for(entered.wait(), 10)
+        embedder.embed = embed
+        fresh = await ask(gw, prompt, headers={"cache-control": "no-cache"})
+        release.set()
+        judged = await lookup
+        assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
+        assert fake.count() == 2 and gw.gateway.semantic.embed_failures == 1
+
+
 async def test_a_lookup_that_waited_for_nothing_reads_the_exact_cache_once(sgw, fake):
     # (A second read is for an answer stored while the lookup waited: with Redis, a round
     # trip.) A scope without entries embeds nothing: one read.

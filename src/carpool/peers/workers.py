@@ -32,7 +32,9 @@ Contract:
   its record's owner holds a connection there while its flight asks the key's owner, which may
   be the worker it came from; sharing one pool, two workers' pools full of such requests each
   waited for the other's until the owner's read timeout (a 503). An ask waits on nothing
-  further: its owner leads it alone.
+  further: its owner leads it alone. So do the workers' own calls (``OWN``: invalidations,
+  ``forget_state``, the admin calls, the scrapes), which waited for those requests' calls to
+  end (an invalidation 23 s; a scrape left the worker out).
 - ``run_on(owner, client)``: a request with an Idempotency-Key, sent whole to the owner of its
   record (the same bytes and headers: a value that is not ASCII goes percent-encoded and is
   restored by the owner's door, ``server.PeerApp``; the query as it came), its reply relayed
@@ -142,8 +144,10 @@ _HOP = HOP_BY_HOP | {
     CONNECTION_HEADER.decode(),
 }
 _IDEMPOTENCY = frozenset({"idempotency-key", "x-idempotency-key"})
-#: The kind of connection a flight's ask takes (``_session``): a pool apart.
+#: The kinds of connection a flight's ask and the workers' own calls (invalidations, admin
+#: calls, scrapes) take (``_session``): each a pool apart from the keyed requests passed on.
 ASKS = "asks"
+OWN = "own"
 # Response headers the relaying worker writes itself (its server frames the body, names the
 # request).
 _NOT_RELAYED = frozenset(
@@ -402,7 +406,7 @@ class Peers:
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
         try:
-            async with self._session(socket).get(
+            async with self._session(socket, OWN).get(
                 f"http://worker{path}", headers=headers, timeout=_SCRAPE_TIMEOUT
             ) as response:
                 if response.status == 200:
@@ -448,7 +452,7 @@ class Peers:
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"
         try:
-            async with self._session(path).post(
+            async with self._session(path, OWN).post(
                 f"http://worker{route}", data=orjson.dumps(spec), headers=headers
             ) as response:
                 status, answer = response.status, await response.json(content_type=None)

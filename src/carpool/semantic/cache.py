@@ -274,6 +274,13 @@ class Probe:
     # The embedder failed, or the lookup was shed (``max_pending``): no entry is made for this
     # text either.
     failed: bool = False
+    shed: bool = False  # not made at all (``max_pending``): it waited for nothing
+
+    @property
+    def waited(self) -> bool:
+        """Whether the lookup waited for the embedder (and the verifier): embedded, or failed
+        to (``embed_timeout_ms``: up to a second); not an empty scope's, nor a shed one."""
+        return self.vector is not None or (self.failed and not self.shed)
 
 
 @dataclass
@@ -445,7 +452,7 @@ class SemanticCache:
                 # Behind (the verifier reads one pair at a time): a miss at once rather than a
                 # wait behind every lookup before it; nor an entry, which would embed.
                 self.lookups_shed += 1
-                return Probe(failed=True)
+                return Probe(failed=True, shed=True)
             task = asyncio.ensure_future(self._probe(view, max_age, prompt_prefix))
             lookup = self._lookups[shared] = _Lookup(task)
             task.add_done_callback(partial(self._looked_up, shared, lookup))
