@@ -399,12 +399,18 @@ class Gateway:
                     )
                 if audited:
                     unserved = budget, match, near
-        if probe is not None and probe.waited:
+        if (
+            probe is not None
+            and probe.waited
+            and (self.shared_flights is None or join_age is not None)
+        ):
             # The lookup waited for the embedder and the verifier (seconds, behind a burst of
             # lookups; an embedder's timeout): an identical request's answer may have been
             # stored meanwhile and its flight's window closed. Served, not asked for again.
             # (One that embedded nothing, its scope empty or the lookup shed, waited for
-            # nothing: not read twice.)
+            # nothing: not read twice. With shared flights a call's claim reads the stored
+            # answer itself for a request that takes any, ``redis/flights.py``: one round trip
+            # less on every such miss.)
             hit = await self._exact_hit(route, request, key.key, read_age, remember)
             if hit is not None:
                 return hit

@@ -1500,6 +1500,37 @@ def two_semantic(fake, shared_redis):
     return start
 
 
+async def test_with_shared_flights_an_answer_stored_while_a_lookup_waited_is_read_once(
+    two_semantic, fake
+):
+    # After a lookup that waited, the exact cache was read again: with Redis one more round
+    # trip on every such miss, where the call's claim reads the stored answer itself (a
+    # request that takes any cached answer). The answer stored meanwhile is still served.
+    async with two_semantic(coalesce={"window_ms": 0}) as (a, b):
+        await ask(a, "How do I reset my router?")
+        await stored(a)
+        reads = []
+        get = a.gateway.store.get
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            reads.append(args[0])
+            return await get(*args, **kwargs)
+
+        a.gateway.store.get = counted
+        assert (await ask(a, "Who wrote Hamlet?")).headers["x-carpool"] == "miss"
+        assert len(reads) == 1 and fake.count() == 2  # (before its lookup; then the claim's)
+        lookups = HeldLookups(a)
+        prompt = "How do I update the billing details of my router?"
+        lookup = asyncio.create_task(ask(a, prompt))
+        await lookups.held()
+        fresh = await ask(b, prompt, headers={"cache-control": "no-cache"})
+        assert fresh.headers["x-carpool"] == "miss" and fake.count() == 3
+        lookups.release.set()
+        judged = await lookup
+        assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
+        assert fake.count() == 3
+
+
 async def caught_up(gw, received: int, invalidations: int):
     """Wait for ``gw`` (started later) to read the records stored before it started; its
     semantic cache."""
