@@ -1176,6 +1176,19 @@ async def test_a_semantic_entry_is_not_served_past_its_ttl(fake, gateway_with):
         assert expired.headers["x-carpool"] == "miss" and fake.count() == 3
 
 
+def exact_reads(gw: Any) -> list[str]:
+    """The keys ``gw``'s exact cache is read for from now on (its ``store.get``, counted)."""
+    reads: list[str] = []
+    get = gw.gateway.store.get
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[0])
+        return await get(*args, **kwargs)
+
+    gw.gateway.store.get = counted
+    return reads
+
+
 class HeldLookups:
     """A rule put first in ``gw``'s guard that holds each lookup it reads (on the rules' worker
     thread) until ``release``: ``held(n)`` waits for ``n`` more to be held; ``judged``: the
@@ -1284,17 +1297,23 @@ async def test_an_answer_stored_while_a_lookup_was_judged_is_an_exact_hit_not_an
     async with gateway_with(semantic={"enabled": True}, coalesce={"window_ms": 0}) as gw:
         await ask(gw, "How do I reset my router?")
         await stored(gw)
-        lookups = HeldLookups(gw)
-        prompt = "How do I update the billing details of my router?"
-        lookup = asyncio.create_task(ask(gw, prompt))
-        await lookups.held()
-        fresh = await ask(gw, prompt, headers={"cache-control": "no-cache"})
-        assert fresh.headers["x-carpool"] == "miss" and fake.count() == 2
-        lookups.release.set()
-        judged = await lookup
-        assert lookups.released == [True]
-        assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
-        assert fake.count() == 2
+        await stored_while_held(gw, gw, fake)
+
+
+async def stored_while_held(looking: Any, storing: Any, fake: Any) -> None:
+    """A lookup on ``looking`` held while ``storing`` answers the same request (no-cache: no
+    lookup) and stores it: released, the lookup is that answer's exact hit, no call made."""
+    lookups = HeldLookups(looking)
+    prompt, calls = "How do I update the billing details of my router?", fake.count()
+    lookup = asyncio.create_task(ask(looking, prompt))
+    await lookups.held()
+    fresh = await ask(storing, prompt, headers={"cache-control": "no-cache"})
+    assert fresh.headers["x-carpool"] == "miss" and fake.count() == calls + 1
+    lookups.release.set()
+    judged = await lookup
+    assert lookups.released == [True]
+    assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
+    assert fake.count() == calls + 1
 
 
 async def test_an_answer_stored_while_a_lookups_embedding_failed_is_an_exact_hit(
@@ -1328,14 +1347,7 @@ async def test_an_answer_stored_while_a_lookups_embedding_failed_is_an_exact_hit
 async def test_a_lookup_that_waited_for_nothing_reads_the_exact_cache_once(sgw, fake):
     # (A second read is for an answer stored while the lookup waited: with Redis, a round
     # trip.) A scope without entries embeds nothing: one read.
-    reads = []
-    get = sgw.gateway.store.get
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        reads.append(args[0])
-        return await get(*args, **kwargs)
-
-    sgw.gateway.store.get = counted
+    reads = exact_reads(sgw)
     assert (await ask(sgw, "How do I reset my router?")).headers["x-carpool"] == "miss"
     assert len(reads) == 1
     await stored(sgw)
@@ -1509,26 +1521,10 @@ async def test_with_shared_flights_an_answer_stored_while_a_lookup_waited_is_rea
     async with two_semantic(coalesce={"window_ms": 0}) as (a, b):
         await ask(a, "How do I reset my router?")
         await stored(a)
-        reads = []
-        get = a.gateway.store.get
-
-        async def counted(*args: Any, **kwargs: Any) -> Any:
-            reads.append(args[0])
-            return await get(*args, **kwargs)
-
-        a.gateway.store.get = counted
+        reads = exact_reads(a)
         assert (await ask(a, "Who wrote Hamlet?")).headers["x-carpool"] == "miss"
         assert len(reads) == 1 and fake.count() == 2  # (before its lookup; then the claim's)
-        lookups = HeldLookups(a)
-        prompt = "How do I update the billing details of my router?"
-        lookup = asyncio.create_task(ask(a, prompt))
-        await lookups.held()
-        fresh = await ask(b, prompt, headers={"cache-control": "no-cache"})
-        assert fresh.headers["x-carpool"] == "miss" and fake.count() == 3
-        lookups.release.set()
-        judged = await lookup
-        assert judged.headers["x-carpool"] == "hit" and judged.json() == fresh.json()
-        assert fake.count() == 3
+        await stored_while_held(a, b, fake)
 
 
 async def caught_up(gw, received: int, invalidations: int):
