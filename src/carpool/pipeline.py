@@ -399,18 +399,14 @@ class Gateway:
                     )
                 if audited:
                     unserved = budget, match, near
-        if (
-            probe is not None
-            and probe.waited
-            and (self.shared_flights is None or join_age is not None)
-        ):
+        if probe is not None and probe.waited:
             # The lookup waited for the embedder and the verifier (seconds, behind a burst of
             # lookups; an embedder's timeout): an identical request's answer may have been
             # stored meanwhile and its flight's window closed. Served, not asked for again.
             # (One that embedded nothing, its scope empty or the lookup shed, waited for
-            # nothing: not read twice. With shared flights a call's claim reads the stored
-            # answer itself for a request that takes any, ``redis/flights.py``: one round trip
-            # less on every such miss.)
+            # nothing: not read twice. With shared flights too: a call's claim reads the stored
+            # answer only for a request that takes any, under its flight's key, with Redis
+            # usable, and a local flight joined reads nothing.)
             hit = await self._exact_hit(route, request, key.key, read_age, remember)
             if hit is not None:
                 return hit
