@@ -545,7 +545,8 @@ class Peers:
 
     def _session(self, worker: int | Path, kind: str = "") -> aiohttp.ClientSession:
         """The connections to ``worker``'s socket (an index: its slot's; or a socket's path);
-        ``kind`` ``ASKS``: those of the flights' asks, a pool apart (the module's contract)."""
+        ``kind`` ``ASKS``: those of the flights' asks, ``OWN``: the workers' own calls, each a
+        pool apart from the keyed requests' (the module's contract)."""
         path = worker if isinstance(worker, Path) else socket_path(self.directory, worker)
         session = self._sessions.get((path, kind))
         if session is None or session.closed:
