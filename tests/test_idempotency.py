@@ -177,6 +177,14 @@ def test_an_idempotency_problem_carries_openais_error_member_for_sdks_that_read_
     }
 
 
+def test_a_response_not_kept_tells_the_sdks_not_to_retry_it_and_busy_records_to_retry() -> None:
+    # A 507 is answered alike to every retry with the key: the SDKs, which retry a 5xx on
+    # their own (twice by default), asked again for the same 507. A 503 of busy records is
+    # worth their retry.
+    assert IdempotencyResponseNotKept().headers()["x-should-retry"] == "false"
+    assert "x-should-retry" not in IdempotencyUnavailable().headers()
+
+
 def test_an_sdk_reads_an_idempotency_errors_message_and_code() -> None:
     import httpx
     import openai

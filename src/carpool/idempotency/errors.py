@@ -153,3 +153,8 @@ class IdempotencyResponseNotKept(IdempotencyError):
         "Idempotency-Key to run it again.",
     ) -> None:
         super().__init__(message)
+
+    def headers(self) -> dict[str, str]:
+        # Every retry with the key gets this same 507: the SDKs, which retry a 5xx on their
+        # own, are told not to (as for a replayed 5xx).
+        return {**super().headers(), "x-should-retry": "false"}
