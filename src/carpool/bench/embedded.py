@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from ..config import Config
-from ..extras import install_hint
+from ..extras import missing_extra_said
 from . import process
 
 
@@ -82,12 +82,7 @@ def main() -> None:
     try:
         gateway = build_gateway(config)
     except ImportError as error:
-        # (The model's files missing is no missing extra: ``commands.common.missing_extra``.)
-        said = (
-            f"semantic.enabled needs the semantic extra: {install_hint('semantic')} ({error})"
-            if getattr(error, "needs_extra", True)
-            else str(error)
-        )
+        said = missing_extra_said("semantic.enabled", "semantic", error)
         print(f"carpool bench: {said}", file=sys.stderr)
         sys.exit(2)
     except ValueError as error:  # a model or verifier folder, the hub client: as serve says it

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from ..config import CONFIG_FILE_VARIABLE, Config, ConfigError
 from ..config.urls import url_host
-from ..extras import install_hint
+from ..extras import missing_extra_said
 
 
 def config_path(config_file: str | None) -> str | None:
@@ -87,15 +87,8 @@ def refuse_missing_extras(config: Config) -> None:
 
 
 def missing_extra(what: str, extra: str, error: Exception) -> NoReturn:
-    """Exit 2 saying that ``what`` needs the ``extra`` and how to install it; or, for an error
-    that is no missing extra (``needs_extra`` false: the model's files not found), what it says
-    alone (it said "needs the semantic extra" with the extra installed)."""
-    if not getattr(error, "needs_extra", True):
-        click.echo(f"carpool: {error}", err=True)
-        sys.exit(2)
-    click.echo(
-        f"carpool: {what} needs the {extra} extra: {install_hint(extra)} ({error})", err=True
-    )
+    """Exit 2 saying what ``extras.missing_extra_said`` says."""
+    click.echo(f"carpool: {missing_extra_said(what, extra, error)}", err=True)
     sys.exit(2)
 
 
