@@ -169,8 +169,14 @@ class AtMostOnce:
         if len(body) <= OFF_LOOP_BYTES:
             return replayed(response, kind, stream, include_usage)
         same = (
-            *(kind, stream, include_usage, response.status, response.streamed),
-            *(len(body), tuple(response.headers), hash(body)),
+            kind,
+            stream,
+            include_usage,
+            response.status,
+            response.streamed,
+            len(body),
+            tuple(response.headers),
+            hash(body),
         )
         running = self._replaying.get(same)
         if running is not None and (running[0] is body or running[0] == body):
