@@ -523,6 +523,19 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
     assert hit["carpool.request"].attributes["carpool.outcome"] == "hit"
 
 
+async def test_a_request_the_gateway_refuses_itself_is_traced_as_rejected_not_bypass(gw, fake, spans):
+    # It is counted in `rejected`, not under an outcome: its span says the same, so traces and
+    # carpool_requests_total{outcome="bypass"} agree.
+    provider, exporter = spans
+    gw.gateway.tracer = Tracer("on", provider=provider)
+    refused = await gw.client.post("/v1/chat/completions", json={"model": "m", "messages": "x"})
+    assert refused.status_code == 400 and refused.headers["x-carpool"] == "bypass"
+    (root,) = exporter.get_finished_spans()
+    assert root.attributes["carpool.outcome"] == "rejected"
+    stats = (await gw.client.get("/stats")).json()
+    assert stats["rejected"] == 1 and stats["bypass"] == 0 and fake.calls == []
+
+
 async def test_a_tracer_provider_installed_after_the_gateway_is_built_is_used_once_it_starts(spans):
     provider, exporter = spans
     gateway = build_gateway(Config(upstreams=["http://127.0.0.1:9/v1"]))

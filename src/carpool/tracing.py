@@ -9,7 +9,8 @@ Contract:
   gateway nobody traces pays one attribute lookup per layer, not a span.
 - The provider is looked up when the gateway is built and again when it starts serving, so a
   provider installed in between is picked up.
-- Span names: ``carpool.request`` (attributes ``carpool.route``, ``carpool.outcome``) with children
+- Span names: ``carpool.request`` (attributes ``carpool.route``, ``carpool.outcome``: ``rejected``
+  for the gateway's own refusals, as ``/stats`` counts them) with children
   ``carpool.exact``, ``carpool.flight`` (``carpool.role``: leader or joiner),
   ``carpool.semantic`` (``carpool.similarity`` of a served hit) and ``carpool.upstream``
   (``carpool.replica``, ``carpool.decision``). No prompt text or credential is ever an attribute.
