@@ -234,7 +234,11 @@ class _StatsCollector(Collector):
         yield requests
         upstream = CounterMetricFamily(
             "carpool_upstream_requests",
-            "Upstream calls by replica and HTTP status.",
+            "Upstream attempts by replica and HTTP status: the engine's, or 502 for one that got "
+            "no answer and 504 for one that timed out (the gateway's own codes, as its clients "
+            "got them); one that waited past limits.upstream_queue_timeout for a connection, or "
+            "that this machine could not open one for, is in carpool_gateway_overloaded_total "
+            "instead.",
             labels=["replica", "status"],
         )
         for (replica, status), n in sorted(s.upstream_status.items()):
@@ -252,10 +256,16 @@ class _StatsCollector(Collector):
             value=s.abandoned,
         )
         yield CounterMetricFamily(
-            "carpool_upstream_calls", "Calls made to the upstream.", value=s.upstream_calls
+            "carpool_upstream_calls",
+            "Attempts sent to the upstream's replicas: failovers', judges', audits', probes' and "
+            "pass-through calls too, and those that waited for a connection.",
+            value=s.upstream_calls,
         )
         yield CounterMetricFamily(
-            "carpool_upstream_errors", "Upstream calls that failed.", value=s.upstream_errors
+            "carpool_upstream_errors",
+            "Upstream attempts that got no 2xx answer: the engine's own 4xx refusals (a client's "
+            "mistake) included; carpool_upstream_requests_total's status tells them apart.",
+            value=s.upstream_errors,
         )
         yield CounterMetricFamily(
             "carpool_gateway_overloaded",
@@ -268,7 +278,9 @@ class _StatsCollector(Collector):
         )
         routing = CounterMetricFamily(
             "carpool_routing_decisions",
-            "Upstream calls by routing decision (prefix_match, least_loaded, failover...).",
+            "Calls routed to the upstream's replicas (a request's, a judge's, an audit's), each "
+            "once, by the decision of its last attempt (prefix_match, least_loaded, "
+            "failover...); pass-through calls and probes are not routed so.",
             labels=["decision"],
         )
         for decision, n in sorted(s.routing.items()):
