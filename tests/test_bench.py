@@ -826,6 +826,43 @@ async def test_recorded_timestamps_at_one_instant_have_no_mean_rate_and_the_repo
         assert len((out / "requests.jsonl").read_text().splitlines()) == lines
 
 
+async def test_the_reports_traits_count_tenants_as_the_gateway_does_and_rates_as_replayed(
+    fake, gw, tmp_path
+):
+    """A recording whose tenants are only in their headers (no ``tenant`` field) is three
+    tenants, as the gateway tells them apart; replayed at ``--rate``, its traits' rates are the
+    replay's, not the recording's."""
+    rows = [
+        {
+            "t": 100 + i,
+            "body": {**_HI, "messages": [{"role": "user", "content": f"q{i % 10}"}]},
+            "headers": {"Authorization": f"Bearer key-{i % 3}"},
+        }
+        for i in range(40)
+    ]
+    path = _write(tmp_path / "rec.jsonl", rows)
+    out = tmp_path / "rec"
+    result = await run_bench(
+        BenchOptions(out=out, url=gw.url, workload_file=str(path), rate=20.0, progress=False)
+    )
+    measured = result["workload"]["traits"]
+    assert measured["tenants"] == 3 and measured["distinct_fingerprints"] == 30
+    assert measured["mean_rate_rps"] == pytest.approx(20, rel=0.05)
+    assert measured["span_s"] == pytest.approx(39 / 20, rel=0.05)
+    assert "40 requests, 3 tenant(s)" in (out / "report.md").read_text()
+    closed = await run_bench(
+        BenchOptions(
+            out=tmp_path / "closed",
+            url=gw.url,
+            workload_file=str(path),
+            concurrency=2,
+            progress=False,
+        )
+    )
+    # A closed loop has no arrival schedule: no rate to state.
+    assert closed["workload"]["traits"]["mean_rate_rps"] is None
+
+
 def empty_run_report(workload_traits: dict[str, Any]) -> dict[str, Any]:
     """A report of a run of no requests, its workload's ``traits`` given, without ``params``."""
     return {

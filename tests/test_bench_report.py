@@ -176,7 +176,11 @@ async def test_a_run_with_some_failures_prints_the_commonest_errors_and_exits_0(
     code, output = await asyncio.to_thread(_bench, *args)
     assert code == 0, output
     assert "1 of 2 requests failed" in output and "HTTP 400" in output
-    assert "1 of 2 requests succeeded" in (out / "report.md").read_text()
+    markdown = (out / "report.md").read_text()
+    assert "1 of 2 requests succeeded" in markdown
+    # The `all` row counts both; its latencies are the one answered's, and the report says so.
+    assert "| all | 2 |" in markdown
+    assert "Latencies are those of the requests answered without error (1 of 2)." in markdown
 
 
 async def test_a_gateway_whose_stats_need_the_admin_token_says_how_to_pass_it(
@@ -226,6 +230,22 @@ async def test_the_report_names_the_config_file_and_the_upstreams_the_embedded_g
     assert f"embedded gateway + 1 configured upstream (`{name}`)" in markdown
     assert "embedded gateway + simulated engine" not in markdown
     assert "calls the simulated engine received" not in markdown
+
+
+async def test_a_gateway_in_front_of_the_simulated_engine_is_reported_as_the_simulator(tmp_path):
+    """Benched through --url, a ``carpool serve`` on its embedded simulated engine (its
+    /sim/stats answered) is the simulator: its cost model is the engine's own, not "not measured
+    on the engine used here", and no upstream is named."""
+    from carpool.bench.embedded import embedded_gateway
+
+    async with embedded_gateway(Config(), tmp_path / "gateway.log") as url:
+        out = tmp_path / "sim"
+        built = await run_bench(
+            BenchOptions(out=out, url=url, workload="faq", requests=20, rate=200, progress=False)
+        )
+    assert built["engine"] is not None and built["engine"]["simulated"] is True
+    assert built["cost_model"]["source"] == report.cost_model(Config())["source"]
+    assert built["params"]["upstreams"] is None
 
 
 @pytest.mark.parametrize("flag", [["--seed", "3"], ["--workload", "faq"]])

@@ -523,7 +523,9 @@ async def test_a_miss_records_a_span_per_layer_and_a_hit_only_the_lookup(gw, fak
     assert hit["carpool.request"].attributes["carpool.outcome"] == "hit"
 
 
-async def test_a_request_the_gateway_refuses_itself_is_traced_as_rejected_not_bypass(gw, fake, spans):
+async def test_a_request_the_gateway_refuses_itself_is_traced_as_rejected_not_bypass(
+    gw, fake, spans
+):
     # It is counted in `rejected`, not under an outcome: its span says the same, so traces and
     # carpool_requests_total{outcome="bypass"} agree.
     provider, exporter = spans

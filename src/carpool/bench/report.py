@@ -409,6 +409,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {count:,} | {100 * count / n:.1f}% | {_ms(lat, 'p50')} | "
             f"{_ms(lat, 'p95')} | {_ms(lat, 'p99')} | {_ms(ttfb.get(name, {}), 'p50')} |"
         )
+    if report["errors"]:
+        # (``all`` counts every request sent; a failed one has no latency to time.)
+        answered = report["requests"] - report["errors"]
+        lines += [
+            "",
+            "Latencies are those of the requests answered without error "
+            f"({answered:,} of {report['requests']:,}).",
+        ]
     lines += [
         "",
         "## Workload",

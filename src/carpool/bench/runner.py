@@ -46,7 +46,8 @@ Contract:
   ``url`` as typed.
 - ``params`` records ``config_file`` (the file ``config`` was read from: --config or
   CARPOOL_CONFIG) and ``upstreams``: the gateway's, as its ``/stats`` names them (never a URL's
-  credentials), None for the embedded simulated engine; then the cost model's source says
+  credentials), None for a simulated engine (the embedded one, the audit workload's, or the one
+  a ``url`` gateway serves: its ``/sim/stats`` read); then the cost model's source says
   whether ``config.sim`` was given for that engine or is the simulator's default
   (``_cost_source``).
 """
@@ -327,7 +328,9 @@ async def _run(
     ]
     best = oracle(workload, config, times, call_seconds, never_stored, durations)
     mode = "closed-loop" if options.concurrency is not None else "open-loop"
-    simulated = options.url is None and not config.upstreams
+    # The engine is the simulator: the embedded gateway's own, the bench's (the audit
+    # workload's, answering by meaning), or the one a --url gateway serves (its /sim/stats read).
+    simulated = audit or run.sim_after is not None or (options.url is None and not config.upstreams)
     params = {
         "workload": workload.name,
         "workload_file": options.workload_file,
@@ -355,7 +358,7 @@ async def _run(
     }
     result = report.build(
         workload=workload,
-        workload_traits=traits(workload, config),
+        workload_traits=traits(workload, config, arrivals, closed_loop=arrivals is None),
         run=run,
         oracle=best,
         config=config,

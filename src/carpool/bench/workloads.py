@@ -11,8 +11,9 @@ Contract:
   ``data: [DONE]``) and the Responses and Messages APIs (``TYPED_ENDPOINTS``: typed streams ending
   with their last event).
 - ``WorkloadError``: a workload cannot be built or read; its message says where and why.
-- ``traits(workload, config)`` measures what a workload holds (shares, tenants, duplicates by the
-  gateway's own fingerprint), for the report and the tests.
+- ``traits(workload, config, arrivals)`` measures what a workload holds (shares, tenants by their
+  credentials, duplicates by the gateway's own fingerprint) and the rates it was replayed at,
+  for the report and the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import orjson
 
 from ..config import Config
+from ..fingerprint import names_of
+from ..identity import tenant_of
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -78,12 +81,26 @@ def tenant_header_value(header: str, tenant: str) -> str:
     return f"Bearer {tenant}" if header.lower() == "authorization" else tenant
 
 
-def traits(workload: Workload, config: Config | None = None) -> dict[str, Any]:
-    """What the workload holds: shares, tenants, and duplicates by the gateway's fingerprint."""
+def traits(
+    workload: Workload,
+    config: Config | None = None,
+    arrivals: list[float] | None = None,
+    *,
+    closed_loop: bool = False,
+) -> dict[str, Any]:
+    """What the workload holds: shares, tenants (as the gateway tells them apart: by the
+    credentials in their headers), and duplicates by the gateway's fingerprint. Its rates
+    (``span_s``, ``mean_rate_rps``, ``peak_rate_rps_1s``) are those of ``arrivals``, the send
+    offsets replayed (``--rate`` rescales a recording's), by default its own timestamps; a
+    ``closed_loop`` run has no schedule, and no rates."""
     from .oracle import request_key
 
     config = config or Config()
     n = len(workload)
+    names = names_of(config.tenant)
+    tenants = {
+        tenant_of({k.lower(): v for k, v in r.headers.items()}, names) for r in workload.requests
+    }
     seen: set[str] = set()
     shareable = duplicates = 0
     for request in workload.requests:
@@ -95,20 +112,24 @@ def traits(workload: Workload, config: Config | None = None) -> dict[str, Any]:
             duplicates += 1
         seen.add(key)
     labels = Counter(r.label for r in workload.requests if r.label)
-    span = workload.span
-    per_second = Counter(int(r.t) for r in workload.requests)
+    timed = arrivals is not None or workload.timed
+    times = arrivals if arrivals is not None else [r.t for r in workload.requests]
+    span = max(times, default=0.0)
+    per_second = Counter(int(t) for t in times)
     return {
         "requests": n,
-        "tenants": len({r.tenant for r in workload.requests}),
+        "tenants": len(tenants),
         "stream_share": _share(sum(r.stream for r in workload.requests), n),
         "endpoints": dict(Counter(r.endpoint for r in workload.requests)),
         "shareable_share": _share(shareable, n),
         "duplicate_share": _share(duplicates, shareable),  # of shareable requests
         "distinct_fingerprints": len(seen),
         "labels": {label: labels[label] for label in LABELS if labels[label]},
-        "span_s": round(span, 3),
-        "mean_rate_rps": round(n / span, 3) if span > 0 and workload.timed else None,
-        "peak_rate_rps_1s": max(per_second.values()) if workload.timed else None,
+        "span_s": None if closed_loop else round(span, 3),
+        "mean_rate_rps": round(n / span, 3) if span > 0 and timed and not closed_loop else None,
+        "peak_rate_rps_1s": max(per_second.values())
+        if timed and per_second and not closed_loop
+        else None,
     }
 
 

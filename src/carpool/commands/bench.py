@@ -77,8 +77,9 @@ from .common import config_path, load_config
     default=None,
     type=click.Path(dir_okay=False),
     help="YAML config of the embedded gateway (e.g. semantic.enabled: true); with --url "
-    "it gives the tenant header, the cost model (sim section) and the admin_token (for the "
-    "gateway's /stats) only.",
+    "give the gateway's own: the oracle is computed under it (TTLs, coalescing window, "
+    "sampling, namespaces), and it gives the tenant header, the cost model (sim section) and "
+    "the admin_token (for the gateway's /stats).",
 )
 @click.option(
     "--out",
