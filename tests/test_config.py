@@ -787,6 +787,16 @@ def test_a_shared_namespace_is_one_a_client_can_name(namespace):
     assert shared.tenant.shared_namespaces == ["faq", "n" * 256]
 
 
+@pytest.mark.parametrize("name", ["", "  ", " realtime ", "t" * 257, "a\tb"])
+def test_a_cache_type_is_one_a_client_can_name(name):
+    # x-carpool-type is stripped, 1-256 printable characters: a policy under any other name
+    # never applies, and a `ttl: 0` meant to keep answers out of the cache kept them an hour.
+    with pytest.raises(ConfigError, match="cache.types"):
+        Config.load(env={}, overrides={"cache": {"types": {name: {"ttl": 0}}}})
+    named = Config.load(env={}, overrides={"cache": {"types": {"t" * 256: {"ttl": 0}}}})
+    assert named.cache.types["t" * 256].ttl == 0
+
+
 @pytest.mark.parametrize(
     "semantic, needed",
     [

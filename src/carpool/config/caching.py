@@ -104,7 +104,8 @@ class CacheConfig(Section):
         ge=0,
         description="Budget of the in-process exact "
         "cache in bytes; beyond it, answers are evicted in the order they were stored, sparing "
-        "once each one hit since (second-chance LRU).",
+        "once each one hit since (second-chance LRU). 0: nothing is stored (identical "
+        "requests still share a call in flight and its coalescing window).",
     )
     types: dict[str, TypePolicy] = Field(
         default_factory=lambda: {k: TypePolicy(**v) for k, v in DEFAULT_TYPES.items()},
@@ -117,9 +118,24 @@ class CacheConfig(Section):
     def _merge_default_types(cls, value: Any) -> Any:
         if not isinstance(value, Mapping):
             return value
-        # A request's type is read lower-cased: a key spelled otherwise would never apply.
+        from ..errors import RequestError
+        from ..request import MAX_HEADER_TOKEN, header_token  # (as a request's is read)
+
+        # A request's type is read lower-cased: a key spelled otherwise would never apply; nor
+        # would one no request can name in x-carpool-type (stripped, 1-256 printable
+        # characters): silently, a `ttl: 0` meant to keep answers out kept them default_ttl.
         given: dict[Any, Any] = {}
         for name, policy in value.items():
+            if isinstance(name, str):
+                try:
+                    named = header_token(name, "x-carpool-type") == name != ""
+                except RequestError:
+                    named = False
+                if not named:
+                    raise ValueError(
+                        f"{name!r} is no type a client can name in x-carpool-type: "
+                        f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
+                    )
             lowered = name.lower() if isinstance(name, str) else name
             if lowered in given:
                 raise ValueError(f"{name!r}: two keys differ only in case")

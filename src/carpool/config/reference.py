@@ -33,7 +33,8 @@ def reference_markdown() -> str:
         "as written (`CARPOOL_ADMIN_TOKEN='{tok}'` is that token). The file is UTF-8 text; a "
         "key given twice in one of its mappings is refused, naming it and its lines. "
         '`--config ""` is refused (it names no file); an empty `CARPOOL_CONFIG` is no file. '
-        "Durations are seconds unless the key ends in `_ms`; "
+        "Durations are seconds unless the key ends in `_ms` or its meaning says ms "
+        "(`sim.prefill_ms_per_token`); "
         "sizes are bytes. A number is never a boolean: `port: true` is refused, not read as 1; "
         "an integer is at most 2**53.",
         "",
