@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -246,6 +247,33 @@ async def test_a_gateway_in_front_of_the_simulated_engine_is_reported_as_the_sim
     assert built["engine"] is not None and built["engine"]["simulated"] is True
     assert built["cost_model"]["source"] == report.cost_model(Config())["source"]
     assert built["params"]["upstreams"] is None
+
+
+def test_the_engine_counts_of_a_gateway_with_workers_are_the_runs_whichever_worker_answered():
+    """Under `serve --workers 2` each worker has its own simulated engine; /sim/stats' `run`
+    holds every worker's replicas. Read before the run on one worker and after it on the other,
+    the engine's calls are the run's difference (before: one worker's own, 21 of 49)."""
+
+    def replica(calls: int) -> dict[str, Any]:
+        figures = dict.fromkeys(
+            ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "errors"), 0
+        )
+        return {
+            "calls": {"chat/completions": calls},
+            **figures,
+            "busy_seconds": 0.0,
+            "queue_wait_seconds": 0.0,
+        }
+
+    before = {"replicas": [replica(3)], "run": {"workers": 2, "replicas": [replica(3), replica(4)]}}
+    after = {
+        "replicas": [replica(30)],
+        "run": {"workers": 2, "replicas": [replica(5), replica(30)]},
+    }
+    engine = report.engine_delta(before, after)
+    assert engine is not None and (engine["calls"], engine["replicas"]) == (28, 2)
+    alone = report.engine_delta({"replicas": [replica(3)]}, {"replicas": [replica(9)]})
+    assert alone is not None and alone["calls"] == 6
 
 
 @pytest.mark.parametrize("flag", [["--seed", "3"], ["--workload", "faq"]])

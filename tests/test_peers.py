@@ -59,11 +59,12 @@ class Pair:
 
 @contextlib.asynccontextmanager
 async def two_workers(
-    upstream_url: str, b_listens: bool = True, **settings: object
+    upstream_url: str | None, b_listens: bool = True, **settings: object
 ) -> AsyncIterator[Pair]:
-    """Workers 0 (``a``) and 1 (``b``) of one run; ``b_listens``: false, b is down."""
+    """Workers 0 (``a``) and 1 (``b``) of one run; ``b_listens``: false, b is down. No
+    ``upstream_url``: each on its own embedded simulated engine, as ``carpool serve``'s."""
     directory = meeting_place(2)
-    config = Config(upstreams=[upstream_url], **settings)
+    config = Config(upstreams=[upstream_url] if upstream_url else [], **settings)
     try:
         gateways = []
         for _ in range(2):
@@ -1268,6 +1269,24 @@ async def test_stats_on_any_worker_carries_the_runs_totals(fake):
         assert run["layers"]["exact"]["entries"] == 2
         assert run["latency_ms"]["miss"]["count"] == 2
         assert "run" not in pair.b.gateway.snapshot()  # (a worker's own, through its door)
+
+
+async def test_sim_stats_on_any_worker_carries_every_workers_simulated_replicas():
+    """Each worker runs its own embedded simulated engine: ``/sim/stats`` is the answering
+    worker's replicas, with ``run``, every worker's, so whichever worker a reader lands on (the
+    bench's engine counts, before and after a run) it counts the whole engine's calls. Before,
+    one worker's: a bench against `serve --workers 2` reported 21 engine calls of 49."""
+    async with two_workers(None) as pair:
+        await pair.a.chat(owned_by(pair.a.gateway, 0, prefix="A's own"))  # A's engine
+        await pair.b.chat(owned_by(pair.b.gateway, 1, prefix="B's own"))  # B's engine
+
+        def calls(replicas: list[dict[str, Any]]) -> int:
+            return sum(replica["calls"].get("chat/completions", 0) for replica in replicas)
+
+        for served in (pair.a, pair.b):
+            doc = (await served.client.get("/sim/stats")).json()
+            assert calls(doc["replicas"]) == 1
+            assert doc["run"]["workers"] == 2 and calls(doc["run"]["replicas"]) == 2
 
 
 async def test_the_runs_idempotency_records_are_summed_over_its_workers(fake):

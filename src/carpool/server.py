@@ -807,7 +807,19 @@ def _control_app(gateway: Gateway, deadlines: Deadlines, app: GatewayApp) -> Sta
     async def sim_stats(request: HttpRequest) -> Response:
         if (refusal := _admin_refusal(gateway, request)) is not None:
             return refusal
-        doc = {"simulated": True, "replicas": [replica.stats() for replica in sim_replicas]}
+        doc: dict[str, Any] = {
+            "simulated": True,
+            "replicas": [replica.stats() for replica in sim_replicas],
+        }
+        peers = gateway.layers.peers
+        if peers is not None and request.scope.get(PEER) is not True:
+            # Each worker runs its own engine: ``run`` has every worker's replicas, as
+            # ``/stats``' ``run`` its figures (a reader lands on any worker).
+            docs = [doc, *(d for d in map(_document, await peers.sim_stats()) if d is not None)]
+            replicas = [
+                r for d in docs if isinstance(d.get("replicas"), list) for r in d["replicas"]
+            ]
+            doc["run"] = {"workers": len(docs), "replicas": replicas}
         return Response(orjson.dumps(doc), media_type="application/json", headers=NOT_KEPT)
 
     async def metrics(request: HttpRequest) -> Response:

@@ -126,12 +126,14 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 def engine_delta(
     before: dict[str, Any] | None, after: dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """The simulated replicas' counters over the run, summed over replicas."""
-    if not before or not after or not after.get("replicas"):
+    """The simulated replicas' counters over the run, summed over replicas: every worker's
+    under ``serve --workers`` (``run``: the two reads may land on different workers)."""
+    before_replicas, after_replicas = _sim_replicas(before), _sim_replicas(after)
+    if not before or not after_replicas:
         return None
     totals: Counter[str] = Counter()
-    for sign, snapshot in ((-1, before), (1, after)):
-        for replica in snapshot["replicas"]:
+    for sign, replicas in ((-1, before_replicas), (1, after_replicas)):
+        for replica in replicas:
             totals["calls"] += sign * sum(
                 replica["calls"].get(e, 0)
                 for e in ("chat/completions", "completions", "embeddings", "responses", "messages")
@@ -145,9 +147,18 @@ def engine_delta(
                 "errors",
             ):
                 totals[name] += sign * replica[name]
-    out: dict[str, Any] = {"simulated": True, "replicas": len(after["replicas"])}
+    out: dict[str, Any] = {"simulated": True, "replicas": len(after_replicas)}
     out.update({k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()})
     return out
+
+
+def _sim_replicas(snapshot: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A ``/sim/stats`` document's replicas: the run's (every worker's) where it has ``run``."""
+    if not snapshot:
+        return []
+    run = snapshot.get("run")
+    replicas = (run if isinstance(run, dict) else snapshot).get("replicas")
+    return replicas if isinstance(replicas, list) else []
 
 
 def cost_model(config: Config, source: str | None = None) -> dict[str, Any]:

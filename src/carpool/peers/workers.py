@@ -393,6 +393,11 @@ class Peers:
         """Every other worker's own ``/stats`` document (JSON text), as ``metrics``."""
         return await self._own_of_each("/stats")
 
+    async def sim_stats(self) -> list[str]:
+        """Every other worker's own ``/sim/stats`` (its embedded simulated engine's), as
+        ``metrics``."""
+        return await self._own_of_each("/sim/stats")
+
     async def _own_of_each(self, path: str) -> list[str]:
         texts = await asyncio.gather(
             *(self._own_of(socket, path) for socket in await self._others())
@@ -400,7 +405,7 @@ class Peers:
         return [text for text in texts if text is not None]
 
     async def _own_of(self, socket: Path, path: str) -> str | None:
-        """``path`` (``/metrics``, ``/stats``) as the worker on ``socket`` answers it for itself
+        """``path`` (``/metrics``, ``/stats``, ``/sim/stats``) as the worker on ``socket`` answers it for itself
         (through its door), or None."""
         headers = {PEER_HEADER.decode(): self._secret}
         if self._admin_token:
