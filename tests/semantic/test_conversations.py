@@ -132,6 +132,16 @@ TRAPS = {
         turns("The error says permission denied.", "Let's look.", "What does it mean?"),
         turns("The error says file not found.", "Let's look.", "What does it mean?"),
     ),
+    # A review's: a tense change in an earlier turn (a current or a former citizen, a marriage
+    # that is or was) counted as retyping ("am" / "was" function words) and got the 0.90 bar.
+    "tense_flip": (
+        turns("Do I need a visa? I am a US citizen.", "Noted.", "What should I do?"),
+        turns("Do I need a visa? I was a US citizen.", "Noted.", "What should I do?"),
+    ),
+    "tense_flip_short": (
+        turns("I am married. What tax form do I file?", "Let me check.", "Which one?"),
+        turns("I was married. What tax form do I file?", "Let me check.", "Which one?"),
+    ),
 }
 
 

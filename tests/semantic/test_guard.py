@@ -299,6 +299,54 @@ def test_case_edge_punctuation_and_spacing_are_retyping(guard, a, b):
     assert retyped(a, b) and retyped(b, a)
 
 
+@pytest.mark.parametrize(
+    "a, b, near",
+    [
+        # Retyping: a function word, a courtesy, another form at the same time.
+        (
+            "user: I need help with my electricity bill.",
+            "user: I need some help with my electricity bill.",
+            True,
+        ),
+        (
+            "user: I ordered two jackets and the orders came today.",
+            "user: I ordered two jackets and the order came today.",
+            True,
+        ),
+        (
+            "user: I am asking about the bill and nothing else now.",
+            "user: I am asking about this bill and nothing else now.",
+            True,
+        ),
+        # Another time: never retyping (a review: "am" / "was" got the near-repeat bar).
+        (
+            "user: Do I need a visa? I am a US citizen.",
+            "user: Do I need a visa? I was a US citizen.",
+            False,
+        ),
+        (
+            "user: My card does not work at all at the shop.",
+            "user: My card did not work at all at the shop.",
+            False,
+        ),
+        (
+            "user: I order the same lunch at this place every day.",
+            "user: I ordered the same lunch at this place every day.",
+            False,
+        ),
+        (
+            "user: I am asking about my bill and nothing else now.",
+            "user: I asked about my bill and nothing else now.",
+            False,
+        ),
+    ],
+)
+def test_a_context_retyped_is_near_and_one_set_at_another_time_is_not(a, b, near):
+    from carpool.semantic.retyping import close
+
+    assert close(a, b) is near and close(b, a) is near
+
+
 def test_identical_prompts_are_served_without_asking_the_model(guard):
     before = guard.verifier.pairs
     assert guard.judge_now(Side("What is a hash map?"), [Side("What is a hash map?")]) == [

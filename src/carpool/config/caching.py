@@ -446,10 +446,10 @@ class SemanticConfig(Section):
         None,
         description="`embedder: upstream`: the Bearer key its /v1/embeddings calls carry (a "
         "value, or `${ENV_VAR}` read at start-up; never logged nor shown). Every tenant's "
-        "prompts are embedded under it, batched together: never a client's key. null: the "
-        "credential the gateway holds (`upstream.api_key` / `api_keys`, or a user and "
-        "password in a replica's URL, which replaces any other on its replicas, this one too "
-        "when both are set), else none (a keyless upstream; start-up logs a warning: one that "
+        "prompts are embedded under it, batched together: never a client's key. A credential "
+        "the gateway holds (`upstream.api_key` / `api_keys`, or a user and password in a "
+        "replica's URL) replaces any other on its replicas, this one too: set, this key is "
+        "sent only where the gateway holds none. null: the held credential, else none (a keyless upstream; start-up logs a warning: one that "
         "wants a key refuses every embedding, and the semantic cache never hits).",
     )
 

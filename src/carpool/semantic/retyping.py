@@ -193,28 +193,41 @@ FUNCTION_WORDS = frozenset(
     just really very quite please so also too well oh ok okay hi hello hey thanks thank and
     then""".split()
 )
-#: Endings of another form of the same word ("order" / "orders", "help" / "helping").
+#: The forms of "be" and "do" by tense: one swapped for one of the other tense is another time
+#: ("I am a US citizen" / "I was": a current or a former one), never a retyping.
+_PAST = frozenset("was were did".split())
+_PRESENT = frozenset("is are am do does".split())
+#: Endings of another form of the same word ("order" / "orders", "help" / "helping"); the past
+#: ones only ever for another past form ("asked" / "asked"), as "I order" / "I ordered" is
+#: another time.
 _FORMS = ("s", "es", "ed", "d", "ing")
+_PAST_FORMS = ("ed", "d")
 
 
 def _same_word(a: str, b: str) -> bool:
-    """``a`` and ``b`` are forms of one word: one is the other with an ending of :data:`_FORMS`,
-    or both are one stem with two of them ("asked" / "asking")."""
+    """``a`` and ``b`` are forms of one word at one time: one is the other with an ending of
+    :data:`_FORMS` but a past one, or both are one stem with two endings, both past or neither
+    ("asking" / "asks")."""
     if a == b:
         return True
     short, long = sorted((a, b), key=len)
-    if len(short) >= 3 and any(long == short + ending for ending in _FORMS):
+    if len(short) >= 3 and any(
+        long == short + ending for ending in _FORMS if ending not in _PAST_FORMS
+    ):
         return True
     stems = [
-        {w[: -len(e)] for e in _FORMS if w.endswith(e) and len(w) - len(e) >= 3} for w in (a, b)
+        {(w[: -len(e)], e in _PAST_FORMS) for e in _FORMS if w.endswith(e) and len(w) - len(e) >= 3}
+        for w in (a, b)
     ]
     return bool(stems[0] & stems[1])
 
 
 def _retyping_like(x: list[str], y: list[str]) -> bool:
-    """One changed stretch of words: function words only, or each word another form of itself."""
+    """One changed stretch of words: function words only (a "be" or "do" kept at its tense), or
+    each word another form of itself."""
     if all(w in FUNCTION_WORDS for w in (*x, *y)):
-        return True
+        tenses = [{w in _PAST for w in words if w in _PAST or w in _PRESENT} for words in (x, y)]
+        return not (tenses[0] and tenses[1] and tenses[0] != tenses[1])
     return len(x) == len(y) and all(map(_same_word, x, y))
 
 
