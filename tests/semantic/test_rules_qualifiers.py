@@ -63,6 +63,12 @@ def passes(a: str, b: str) -> bool:
         ("Is it going to rain tomorrow?", "Was it going to rain tomorrow?"),
         ("How did Rome change during the Republic?", "How did Rome change after the Republic?"),
         ("What did the Fed do last month?", "What will the Fed do next month?"),
+        # A review's: "am" and "do" were no tense to the rule (0.9925, served).
+        (
+            "I am a US citizen. Do I need a visa for Canada?",
+            "I was a US citizen. Do I need a visa for Canada?",
+        ),
+        ("Does my card work abroad?", "Did my card work abroad?"),
         # how much
         ("Is my coffee too hot to drink at 70 C?", "Is my coffee hot enough to drink at 70 C?"),
         ("Is the bread slightly underbaked?", "Is the bread badly underbaked?"),
