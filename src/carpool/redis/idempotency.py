@@ -56,6 +56,12 @@ response was not kept: ``begin`` and ``wait`` answer it as ``_UNREADABLE_ANSWER`
 retry is told as it is), logged with the record's digest, and
 the health is told Redis answered. Its key never runs again (a request that ran would), nor
 fails with a 500 for the record's retention.
+
+The 507 a full Redis leaves (``_NOT_KEPT_ANSWER``) is written as its status alone, with neither
+headers nor body (``_finish_args``), and read back as that 507 (``_decode``): a full Redis
+takes it past ``maxmemory`` for the retention, from every keyed request: ~200 bytes a record
+(``MEMORY USAGE``), not ~1.4 KB with the 507's text. (A gateway from before 12-07 reads such a record as
+one it cannot read: the unreadable record's 507, logged.)
 """
 
 from __future__ import annotations
@@ -482,6 +488,11 @@ class RedisIdempotencyRecords:
         return lambda: script([record_key], self._finish_args(token, response))
 
     def _finish_args(self, token: str, response: StoredResponse) -> list[Any]:
+        if response is _NOT_KEPT_ANSWER:
+            # Its status alone, no headers nor body (``_decode`` words it): written past a full
+            # Redis's maxmemory by every keyed request, for the retention, the 507's ~900
+            # bytes of text grew it by ~1.5 KB a request.
+            return [token, "f", _ms(self.retention), response.status, "", "", 0, "", ""]
         headers = orjson.dumps(
             [[n.decode("latin-1"), v.decode("latin-1")] for n, v in replayable(response.headers)]
         )
@@ -659,6 +670,8 @@ def _decode(record_key: str, fields: list[Any], redis_now: Any, now: float) -> S
     reading is ``now``: as long ago as ``cr`` is of ``redis_now`` (Redis time); a record of an
     older gateway (no ``cr``) has only its writer's wall clock, ``c``, taken as it is."""
     status, headers, body, streamed, created, made_ms = fields
+    if status == str(_NOT_KEPT_ANSWER.status).encode() and headers == b"" and body == b"":
+        return _NOT_KEPT_ANSWER  # (as ``_finish_args`` writes it: a response not kept)
     try:
         code = int(status)
         named = [(n, v) for n, v in orjson.loads(headers)]
