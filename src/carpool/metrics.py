@@ -257,7 +257,8 @@ class _StatsCollector(Collector):
         )
         yield CounterMetricFamily(
             "carpool_upstream_calls",
-            "Attempts sent to the upstream's replicas: failovers', judges', audits', probes' and "
+            "Attempts sent to the upstream's replicas: failovers', judges', audits', the "
+            "upstream embedder's, probes' and "
             "pass-through calls too, and those that waited for a connection.",
             value=s.upstream_calls,
         )
@@ -278,7 +279,8 @@ class _StatsCollector(Collector):
         )
         routing = CounterMetricFamily(
             "carpool_routing_decisions",
-            "Calls routed to the upstream's replicas (a request's, a judge's, an audit's), each "
+            "Calls routed to the upstream's replicas (a request's, a judge's, an audit's, the "
+            "upstream embedder's), each "
             "once, by the decision of its last attempt (prefix_match, least_loaded, "
             "failover...); pass-through calls and probes are not routed so.",
             labels=["decision"],

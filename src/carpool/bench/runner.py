@@ -356,6 +356,10 @@ async def _run(
         ),
         "carpool_version": _version(),
     }
+    if audit:
+        costs: str | None = AUDIT_COSTS
+    else:
+        costs = None if simulated else _cost_source(config, options.config_file)
     result = report.build(
         workload=workload,
         workload_traits=traits(workload, config, arrivals, closed_loop=arrivals is None),
@@ -363,7 +367,7 @@ async def _run(
         oracle=best,
         config=config,
         params=params,
-        cost_source=None if simulated else _cost_source(config, options.config_file),
+        cost_source=costs,
     )
     if audit:
         result["audit"] = meanings.grade(workload, run, config.semantic.audit_window)
@@ -376,6 +380,14 @@ async def _run(
     report.write(result, out)
     report.write_results(workload, run, out)
     return result
+
+
+# The audit workload's engine (``upstream.py``'s, answering by meaning) answers at once: the
+# engine seconds its report gives price the saved tokens at the simulator's defaults anyway.
+AUDIT_COSTS = (
+    "config.sim's defaults, a notional price: the audit workload's engine answers at once, at "
+    "no cost"
+)
 
 
 def _cost_source(config: Config, config_file: str | None) -> str:

@@ -100,5 +100,8 @@ class DistributedConfig(Section):
         "that joins after older chunks were trimmed gets the answer whole "
         "once it is complete. It bounds the shared semantic stream too (one "
         "record per stored answer, read by every instance): an instance "
-        "whose reader falls that far behind forgets its semantic entries.",
+        "whose reader falls that far behind forgets its semantic entries, and "
+        "a follower that falls that far behind a stream (an upstream faster than "
+        "it reads, an answer of more chunks) ends its streaming clients' answer "
+        "with an error event.",
     )
