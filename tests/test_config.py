@@ -795,6 +795,9 @@ def test_a_cache_type_is_one_a_client_can_name(name):
         Config.load(env={}, overrides={"cache": {"types": {name: {"ttl": 0}}}})
     named = Config.load(env={}, overrides={"cache": {"types": {"t" * 256: {"ttl": 0}}}})
     assert named.cache.types["t" * 256].ttl == 0
+    # "İ" lower-cased is two characters: 200 of them are a type a client can send (a review).
+    dotted = Config.load(env={}, overrides={"cache": {"types": {"İ" * 200: {"ttl": 0}}}})
+    assert dotted.cache.types["İ".lower() * 200].ttl == 0
 
 
 @pytest.mark.parametrize(

@@ -127,8 +127,11 @@ class CacheConfig(Section):
         given: dict[Any, Any] = {}
         for name, policy in value.items():
             if isinstance(name, str):
+                # As a client may send it: "İ" is the one letter lower() lengthens ("i" and a
+                # dot above), and a name read again (Config.load validates twice) is lowered.
+                sent = name.replace("i\u0307", "\u0130")
                 try:
-                    named = header_token(name, "x-carpool-type") == name != ""
+                    named = header_token(sent, "x-carpool-type") == sent != ""
                 except RequestError:
                     named = False
                 if not named:
