@@ -256,13 +256,30 @@ async def test_concurrency_limit_queues():
     assert stats["calls"]["chat/completions"] == 7
 
 
+async def test_every_call_the_engine_answers_is_counted():
+    # A model's card, a path it does not serve (its 404) and a body that is not JSON (its 400)
+    # were answered but counted nowhere: the gateway's upstream_calls ran ahead of the engine's
+    # own count, which `carpool bench` reports as the same number (a review).
+    sim = replica()
+    async with serve_app(create_app(sim)) as url, httpx.AsyncClient(base_url=url) as client:
+        assert (await client.get("/v1/models/foo")).status_code == 200
+        assert (await client.get("/v1/files")).status_code == 404
+        bad = await client.post("/v1/chat/completions", content=b"{bad")
+        assert bad.status_code == 400
+        stats = (await client.get("/sim/stats")).json()
+    assert stats["calls"] == {"models": 1, "other": 1, "chat/completions": 1}
+    assert stats["errors"] == 2
+
+
 async def test_counters_add_up():
     sim = replica()
     body = await answer(sim, chat(temperature=0))
     chunks = await collect(sim, chat("other", temperature=0, max_tokens=4))
+    await answer(sim, {"model": "e", "input": "an embedding has no first token"}, "/embeddings")
     stats = sim.stats()
     assert stats["simulated"] is True and stats["replica"] == "sim-0"
     assert stats["completion_tokens"] == body["usage"]["completion_tokens"] + 4
+    # Generation requests only: an embeddings call's pass was counted as a first token.
     assert stats["ttft_count"] == 2 and stats["ttft_seconds_sum"] > 0
     assert stats["busy_seconds"] > 0
     assert len(chunks) == 6
@@ -815,6 +832,34 @@ async def test_a_whole_answer_whose_client_left_is_abandoned_freeing_its_slot(ht
             after = await client.post("/v1/chat/completions", json=chat(max_tokens=2))
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
     assert sim.completion_tokens == 2  # the abandoned answer's tokens were never decoded
+
+
+async def test_a_whole_answer_abandoned_mid_decode_counts_the_tokens_it_decoded():
+    # A stream counts each token as it is decoded; a whole answer counted none of its own when
+    # its client left part-way (a review: two answers ~7 tokens into their decode counted 0).
+    now, sleeps, decoding = [0.0], [0], asyncio.Event()
+
+    async def prefill_then_decode_for_ever(seconds: float) -> None:
+        sleeps[0] += 1
+        if sleeps[0] == 2:  # (the first sleep is the prefill's, the second the decode's)
+            decoding.set()
+            await asyncio.Event().wait()
+
+    sim = SimReplica(
+        "sim-0",
+        FAST.model_copy(update={"decode_ms_per_token": 10.0}),
+        sleep=prefill_then_decode_for_ever,
+        clock=lambda: now[0],
+    )
+    async with serve_app(create_app(sim)) as url, httpx.AsyncClient(base_url=url) as client:
+        left = asyncio.create_task(client.post("/v1/chat/completions", json=chat(max_tokens=40)))
+        await decoding.wait()
+        now[0] += 0.075  # 7.5 steps of 10 ms: 7 tokens decoded
+        left.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await left
+        await eventually(lambda: sim.in_flight == 0, what="the abandoned request's slot freed")
+    assert sim.completion_tokens == 7
 
 
 # ------------------------------------------------------------------- what one request may ask

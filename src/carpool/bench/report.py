@@ -134,10 +134,8 @@ def engine_delta(
     totals: Counter[str] = Counter()
     for sign, replicas in ((-1, before_replicas), (1, after_replicas)):
         for replica in replicas:
-            totals["calls"] += sign * sum(
-                replica["calls"].get(e, 0)
-                for e in ("chat/completions", "completions", "embeddings", "responses", "messages")
-            )
+            # Every call it answered, as the gateway's ``upstream_calls`` counts them.
+            totals["calls"] += sign * sum(replica["calls"].values())
             for name in (
                 "prompt_tokens",
                 "cached_prompt_tokens",

@@ -280,7 +280,11 @@ class SimConfig(Section):
         "probed and weighed per call, and 200,000 held every embeddings request for good).",
     )
     max_concurrency: int = Field(
-        32, ge=1, description="Sequences decoded at once per replica; more queue."
+        32,
+        ge=1,
+        description="Requests served at once per replica; more queue. A request's n choices, "
+        "or a completions list of prompts, decode together in its one slot, as a batch does "
+        "(a real engine's limit, vLLM's max_num_seqs, counts sequences).",
     )
     prefill_ms_per_token: float = Field(
         0.05,

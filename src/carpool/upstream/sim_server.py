@@ -49,6 +49,7 @@ from carpool.upstream.sim import (
     error_reply,
     not_found_reply,
 )
+from carpool.upstream.sim.replies import strip_v1
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {SIMULATED_HEADER[0]: SIMULATED_HEADER[1], "cache-control": "no-cache"}
@@ -119,6 +120,7 @@ def create_app(replica: SimReplica) -> Starlette:
         try:
             body = orjson.loads(await request.body())
         except orjson.JSONDecodeError as exc:
+            replica.counted(strip_v1(request.url.path).lstrip("/"), error=True)
             return _to_response(error_reply(400, f"the request body is not valid JSON: {exc}"))
         reply = await _unless_abandoned(
             request, replica.handle(request.url.path, body, request.headers)
@@ -131,6 +133,7 @@ def create_app(replica: SimReplica) -> Starlette:
         return _json(200, replica.models())
 
     async def model(request: Request) -> Response:
+        replica.counted("models")
         return _json(200, replica.model_card(request.path_params["model"]))
 
     async def stats(request: Request) -> Response:
@@ -138,6 +141,7 @@ def create_app(replica: SimReplica) -> Starlette:
 
     async def unknown(request: Request) -> Response:
         path = request.url.path
+        replica.counted("other", error=True)
         if path.startswith("/v1/"):  # (the replies speak of paths relative to /v1)
             return _to_response(not_found_reply(request.method, path[len("/v1") :]))
         return _to_response(error_reply(404, f"Invalid URL ({request.method} {path})"))

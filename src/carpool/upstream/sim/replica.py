@@ -11,9 +11,12 @@ Contract:
   ``embedding_concurrency`` at once), ``embedding_call_ms`` plus prefill of the longest item.
 - The Responses and Messages APIs' typed event streams are paced as the chat stream they come
   from (``sim_apis.py``).
-- Counters (``SimReplica.stats()``): calls by endpoint, errors, prompt / cached prompt / completion
-  tokens, busy and queue-wait seconds and the requests waiting (embeddings included),
-  time-to-first-token sum and count. In flight now and at most are counted apart:
+- Counters (``SimReplica.stats()``): calls by endpoint (every call it answers: ``models`` its
+  list and cards, ``other`` a path it does not serve), errors, prompt / cached prompt / completion
+  tokens (a whole answer abandoned mid-decode counts the steps it decoded, as a stream does),
+  busy seconds (each request's time holding its slot, summed: slot-seconds, past wall time
+  when requests overlap) and queue-wait seconds and the requests waiting (embeddings
+  included), time-to-first-token sum and count (generation requests only). In flight now and at most are counted apart:
   ``in_flight`` / ``max_in_flight`` are generation requests holding one of ``max_concurrency``
   slots (never more), ``embedding_in_flight`` / ``max_embedding_in_flight`` embeddings calls in
   one of ``embedding_concurrency`` passes (never more).
@@ -157,8 +160,15 @@ class SimReplica:
         return SimReply(200, await self._complete(plan))
 
     def models(self) -> dict[str, Any]:
-        self.calls["models"] = self.calls.get("models", 0) + 1
+        self.counted("models")
         return {"object": "list", "data": [self.model_card(MODEL_ID)]}
+
+    def counted(self, call: str, error: bool = False) -> None:
+        """A call answered outside ``handle`` (``sim_server``: a model's card, a body that is not
+        JSON, a path it does not serve as ``other``): every call the engine answers is in
+        ``calls``, as the gateway's ``upstream_calls`` counts it; a refusal in ``errors``."""
+        self.calls[call] = self.calls.get(call, 0) + 1
+        self.errors += error
 
     def model_card(self, model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": 0, "owned_by": "carpool-sim"}
@@ -250,7 +260,15 @@ class SimReplica:
             step_seconds = self.config.decode_ms_per_token / 1000
             # A whole answer decodes in one sleep; its first token would have come one step in.
             self._first_token(arrived, still_to_come=step_seconds)
-            await self._sleep(plan.decode_steps * step_seconds)
+            decode_started = self._clock()
+            try:
+                await self._sleep(plan.decode_steps * step_seconds)
+            except asyncio.CancelledError:
+                # Its client left part-way: the tokens decoded so far count, as a stream's do.
+                elapsed = self._clock() - decode_started
+                steps = int(elapsed / step_seconds) if step_seconds > 0 else plan.decode_steps
+                self.completion_tokens += sum(min(steps, len(s.words)) for s in plan.sequences)
+                raise
             self.completion_tokens += plan.completion_tokens
         return completion_body(plan)
 
@@ -347,7 +365,6 @@ class SimReplica:
                 (self.config.embedding_call_ms + max(lengths) * self.config.prefill_ms_per_token)
                 / 1000
             )
-            self._first_token(arrived)
         model = body.get("model") if isinstance(body.get("model"), str) else MODEL_ID
         data = []
         for i, item in enumerate(items):
