@@ -339,6 +339,23 @@ def test_case_edge_punctuation_and_spacing_are_retyping(guard, a, b):
             "user: I asked about my bill and nothing else now.",
             False,
         ),
+        # A second review's: a past "did" dropped, an irregular past that is its base.
+        (
+            "user: I did pay the fine last week in full.",
+            "user: I pay the fine last week in full.",
+            False,
+        ),
+        (
+            "user: The pharmacy shut at 6 pm on the high street.",
+            "user: The pharmacy shuts at 6 pm on the high street.",
+            False,
+        ),
+        # Emphasis: a present "do" added is no other time.
+        (
+            "user: I do need some help with my electricity bill.",
+            "user: I need some help with my electricity bill.",
+            True,
+        ),
     ],
 )
 def test_a_context_retyped_is_near_and_one_set_at_another_time_is_not(a, b, near):

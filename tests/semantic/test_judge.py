@@ -181,6 +181,28 @@ async def test_identical_concurrent_lookups_ask_the_judge_once() -> None:
     assert len(asked.bodies) == 1 and judge.remembered == 1
 
 
+async def test_a_question_every_asker_left_is_cancelled_and_one_still_awaited_goes_on() -> None:
+    # Every other call is cancelled when its last client leaves: a question to the judge went
+    # on, holding an engine slot and one of the judge's, until it answered or timed out (a
+    # review). Shielded still for the askers who stay.
+    asked = Gated()
+    judge = Judge(asked, model="j")
+    new, cached = Side("how can i reset my router"), Side("How do I reset my router?")
+    first, second = (asyncio.ensure_future(judge.same_answer(new, cached)) for _ in range(2))
+    await asked.reached(1).wait()
+    (question,) = judge._asking.values()
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not question.done()  # the second still waits for it
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert question.cancelled() and judge._asking == {}
+    asked.gate.set()
+    assert judge.failures == 0 and len(asked.bodies) == 1
+
+
 async def test_the_judge_asks_at_most_max_calls_at_once_and_a_full_queue_is_no_verdict() -> None:
     asked = Gated()
     judge = Judge(asked, model="j", max_calls=2, max_waiting=1)

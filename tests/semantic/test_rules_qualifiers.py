@@ -63,12 +63,11 @@ def passes(a: str, b: str) -> bool:
         ("Is it going to rain tomorrow?", "Was it going to rain tomorrow?"),
         ("How did Rome change during the Republic?", "How did Rome change after the Republic?"),
         ("What did the Fed do last month?", "What will the Fed do next month?"),
-        # A review's: "am" and "do" were no tense to the rule (0.9925, served).
+        # A review's: "am" was no tense to the rule (0.9925, served).
         (
             "I am a US citizen. Do I need a visa for Canada?",
             "I was a US citizen. Do I need a visa for Canada?",
         ),
-        ("Does my card work abroad?", "Did my card work abroad?"),
         # how much
         ("Is my coffee too hot to drink at 70 C?", "Is my coffee hot enough to drink at 70 C?"),
         ("Is the bread slightly underbaked?", "Is the bread badly underbaked?"),
@@ -102,6 +101,17 @@ def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
         ("What art print might complement a poster?", "What art print could complement a poster?"),
         # Another class added on one side only, or a longer rewording: the verifier's.
         ("Can I take the bus for free?", "Can I really take the bus for free?"),
+        # A polite past is the present ("I was wondering" asks now), and "do" / "did" carry no
+        # tense of their own to the rule (a review: read as tenses, "Did the Beatles ever
+        # play in Japan?" / "Have the Beatles ever played..." and "Does coffee dehydrate
+        # you?" / "Will coffee..." were refused, true rewordings).
+        (
+            "I was wondering if you could explain how compound interest works.",
+            "I am wondering if you could explain how compound interest works.",
+        ),
+        ("I was hoping you could recommend a book.", "I am hoping you could recommend a book."),
+        ("Did the Beatles ever play in Japan?", "Have the Beatles ever played in Japan?"),
+        ("Does coffee dehydrate you?", "Will coffee dehydrate you?"),
         ("Is a will required in Texas?", "In Texas, what do I legally need to write a will?"),
     ],
 )

@@ -202,7 +202,9 @@ class CoalesceConfig(Section):
         False,
         description="Finish an upstream call whose clients all "
         "left, to fill the cache, instead of cancelling it; and a request with an "
-        "Idempotency-Key whose client left, its answer kept for a retry.",
+        "Idempotency-Key whose client left, its answer kept for a retry. Every shared "
+        "call is finished so, a no-store request's too, which fills nothing (a request that "
+        "comes meanwhile may still join it); a sampled or pass-through one is cancelled.",
     )
 
     @model_validator(mode="after")

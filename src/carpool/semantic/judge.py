@@ -21,7 +21,9 @@ Contract:
   digest of the question, the scope and both texts: never the texts, which may be whole
   answers, outside every byte budget). A question asked now is
   asked once: those who ask it meanwhile await that answer (``joined``); it runs in a task of
-  its own, so an asker that leaves leaves it to the others. At most ``max_calls`` questions are
+  its own, so an asker that leaves leaves it to the others; the last one gone with its client
+  (cancelled) cancels it, as any call every client left is (one past its deadline leaves it
+  asked, its verdict remembered for the next lookup of the pair). At most ``max_calls`` questions are
   asked at once (the judge may be the gateway's own replicas, serving the clients) and
   ``max_waiting`` more wait for a slot, within ``timeout``; a question beyond those is not
   asked: no verdict (``busy``), a miss. ``calls`` counts the questions asked of the model (not
@@ -211,6 +213,7 @@ class Judge:
         self.max_tokens = max_tokens
         self._verdicts: LRU[bytes, bool] = LRU(max_entries=cache_entries)
         self._asking: dict[bytes, asyncio.Task[bool | None]] = {}  # in flight or waiting
+        self._askers: dict[bytes, int] = {}  # lookups awaiting each question asked
         self._slots = asyncio.Semaphore(max_calls)
         self._most = max_calls + max_waiting  # questions in ``_asking`` at most
         self.calls = 0
@@ -254,14 +257,27 @@ class Judge:
             self._asking[key] = asking
             asking.add_done_callback(lambda _: self._asking.pop(key, None))
         # Shielded: an asker that leaves (its client gone, its deadline passed) does not cancel
-        # the others' answer.
-        if deadline is None:
-            return await asyncio.shield(asking)
+        # the others' answer. The last asker gone with its client (cancelled) cancels it, as
+        # any call every client left is; one past its deadline leaves it asked on, to be
+        # remembered for the next lookup of the pair.
+        self._askers[key] = self._askers.get(key, 0) + 1
+        gone = False
         try:
+            if deadline is None:
+                return await asyncio.shield(asking)
             async with asyncio.timeout_at(deadline):
                 return await asyncio.shield(asking)
         except TimeoutError:
             return None  # (the question, asked on, counts its own failure or verdict)
+        except asyncio.CancelledError:
+            gone = True
+            raise
+        finally:
+            left = self._askers.pop(key) - 1
+            if left:
+                self._askers[key] = left
+            elif gone:
+                asking.cancel()
 
     async def _asked(self, key: bytes, question: Question, a: Text, b: Text) -> bool | None:
         """The judge's verdict, asked once a slot is free (the question's own task)."""

@@ -193,15 +193,18 @@ FUNCTION_WORDS = frozenset(
     just really very quite please so also too well oh ok okay hi hello hey thanks thank and
     then""".split()
 )
-#: The forms of "be" and "do" by tense: one swapped for one of the other tense is another time
-#: ("I am a US citizen" / "I was": a current or a former one), never a retyping.
+#: The past forms of "be" and "do": one on one side only is another time ("I am a US citizen" /
+#: "I was": a current or a former one), never a retyping.
 _PAST = frozenset("was were did".split())
-_PRESENT = frozenset("is are am do does".split())
 #: Endings of another form of the same word ("order" / "orders", "help" / "helping"); the past
 #: ones only ever for another past form ("asked" / "asked"), as "I order" / "I ordered" is
 #: another time.
 _FORMS = ("s", "es", "ed", "d", "ing")
 _PAST_FORMS = ("ed", "d")
+#: Verbs whose past is their base: "shut" / "shuts" is "shut" (then) / "shuts" (now).
+_SAME_PAST = frozenset(
+    "shut put cut hit let set cost hurt quit read spread bet burst cast split shed upset".split()
+)
 
 
 def _same_word(a: str, b: str) -> bool:
@@ -211,6 +214,8 @@ def _same_word(a: str, b: str) -> bool:
     if a == b:
         return True
     short, long = sorted((a, b), key=len)
+    if short in _SAME_PAST:
+        return False
     if len(short) >= 3 and any(
         long == short + ending for ending in _FORMS if ending not in _PAST_FORMS
     ):
@@ -226,8 +231,9 @@ def _retyping_like(x: list[str], y: list[str]) -> bool:
     """One changed stretch of words: function words only (a "be" or "do" kept at its tense), or
     each word another form of itself."""
     if all(w in FUNCTION_WORDS for w in (*x, *y)):
-        tenses = [{w in _PAST for w in words if w in _PAST or w in _PRESENT} for words in (x, y)]
-        return not (tenses[0] and tenses[1] and tenses[0] != tenses[1])
+        # A past "be" or "do" on one side only: swapped for a present one, or added ("I did
+        # pay the fine" / "I pay the fine"). A present one added alone is emphasis ("I do").
+        return any(w in _PAST for w in x) == any(w in _PAST for w in y)
     return len(x) == len(y) and all(map(_same_word, x, y))
 
 

@@ -118,8 +118,8 @@ TIME_FRAME = _family(
     since: since
     until till: until
     during: during
-    was were had did: past_tense
-    is are am has have do does: present_tense
+    was were had: past_tense
+    is are am has have: present_tense
     will: future_tense
     """,
     sets=True,

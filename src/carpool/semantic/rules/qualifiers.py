@@ -23,9 +23,10 @@ verifier, which reads the shared words, scored them 0.97-0.99. The rule reads ea
 Some classes are one against each other and not alone (a family's ``alike``): "every day" /
 "each day" / "per day", "only staying" / "just staying" are one question, but "each" or "just"
 added alone restricts nothing, and "just" against another class than "only" is often "simply"
-("Is this some fantasy?" / "Is this just fantasy?"). Two ways of saying a tense are read as the plain one first: "be
-going to" is "will" ("Is it going to rain" / "Will it rain"), and a perfect infinitive is the
-past ("Who is the first to have walked on the moon" / "Who was the first to walk..."). A settled
+("Is this some fantasy?" / "Is this just fantasy?"). Three ways of saying a tense are read as the plain one first: "be
+going to" is "will" ("Is it going to rain" / "Will it rain"), a perfect infinitive is the
+past ("Who is the first to have walked on the moon" / "Who was the first to walk..."), and a
+polite past is no tense ("I was wondering if..." / "I am wondering if..."). A settled
 fact asked in another tense otherwise stays refused: no word tells "What were the causes" /
 "What are the causes" from "Was Pluto a planet?" / "Is Pluto a planet?".
 
@@ -53,6 +54,9 @@ _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 #: Words after "going to" that make it a motion ("going to the shop"), not the future.
 _DETERMINERS = frozenset("a an the my your his her our their this that these those".split())
 _PRESENT_BE = {"is": "was", "are": "were", "am": "was"}
+#: A polite past asks now: "I was wondering if..." is "I am wondering if...".
+_POLITE = frozenset("wondering hoping".split())
+_BE = frozenset("am is are was were".split())
 #: Past participles that do not end in "-ed": "to have won", "to have been".
 _PARTICIPLES = frozenset(
     """been done gone won made had seen run led held built sent spent lost found taught thought
@@ -78,10 +82,11 @@ def _tenses(words: list[str]) -> list[str]:
     - a perfect infinitive as the past: "Who is the first to have walked on the moon" asks what
       "Who was the first to walk" asks, so the nearest present "is" / "are" (up to six words
       before) is read as "was" / "were" and the "have" is dropped. Only "to have" before a
-      participle: "Is it legal to have a dog" is the present.
+      participle: "Is it legal to have a dog" is the present;
+    - a polite past as no tense: the "be" of "was wondering", "am hoping" is dropped.
     """
     out = list(words)
-    dropped: set[int] = set()
+    dropped = {i for i in range(len(out) - 1) if out[i] in _BE and out[i + 1] in _POLITE}
     for i in range(len(out) - 2):
         if out[i] == "going" and out[i + 1] == "to" and out[i + 2] not in _DETERMINERS:
             for k in range(i - 1, max(-1, i - 3), -1):
