@@ -11,7 +11,8 @@ bare is YAML 1.1's false).
 ``ConfigError`` is what ``Config.load`` raises for any invalid source; its message names the
 field and what is allowed, and the CLI turns it into exit status 2. ``header_name``: the one check
 of a header name in the config (RFC 9110's token characters, ASCII), so that a name that could
-never be sent (``Bad Header``, ``""``) is refused rather than never matched.
+never be sent (``Bad Header``, ``""``) is refused rather than never matched; ``header_value_name``
+likewise of a name a client sends as a header's value (a namespace, a request type).
 """
 
 from __future__ import annotations
@@ -108,3 +109,21 @@ def header_name(name: str) -> str:
     if not name.isascii() or not http_syntax.TOKEN.fullmatch(lowered):
         raise ValueError(f"{name!r} is not a header name (RFC 9110 token characters)")
     return lowered
+
+
+def header_value_name(name: str, header: str, what: str) -> None:
+    """A ``ValueError`` unless ``name`` is one a client can send in ``header`` as a request's is
+    read (stripped, 1-256 printable characters, not empty): a setting under another name (a
+    namespace, a request type) would never apply, silently."""
+    from ..errors import RequestError
+    from ..request import MAX_HEADER_TOKEN, header_token
+
+    try:
+        named = header_token(name, header) == name != ""
+    except RequestError:
+        named = False
+    if not named:
+        raise ValueError(
+            f"{name!r} is no {what} a client can name in {header}: "
+            f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
+        )

@@ -17,7 +17,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 
 from ..identity import names_a_secret
 from ..semantic.audit import MAX_WINDOW, MIN_AUDITS, smallest_window, wilson
-from .base import LONGEST_TTL, Section, header_name
+from .base import LONGEST_TTL, Section, header_name, header_value_name
 from .upstream import held_key
 from .urls import checked_url
 
@@ -118,9 +118,6 @@ class CacheConfig(Section):
     def _merge_default_types(cls, value: Any) -> Any:
         if not isinstance(value, Mapping):
             return value
-        from ..errors import RequestError
-        from ..request import MAX_HEADER_TOKEN, header_token  # (as a request's is read)
-
         # A request's type is read lower-cased: a key spelled otherwise would never apply; nor
         # would one no request can name in x-carpool-type (stripped, 1-256 printable
         # characters): silently, a `ttl: 0` meant to keep answers out kept them default_ttl.
@@ -129,16 +126,7 @@ class CacheConfig(Section):
             if isinstance(name, str):
                 # As a client may send it: "İ" is the one letter lower() lengthens ("i" and a
                 # dot above), and a name read again (Config.load validates twice) is lowered.
-                sent = name.replace("i\u0307", "\u0130")
-                try:
-                    named = header_token(sent, "x-carpool-type") == sent != ""
-                except RequestError:
-                    named = False
-                if not named:
-                    raise ValueError(
-                        f"{name!r} is no type a client can name in x-carpool-type: "
-                        f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
-                    )
+                header_value_name(name.replace("i\u0307", "\u0130"), "x-carpool-type", "type")
             lowered = name.lower() if isinstance(name, str) else name
             if lowered in given:
                 raise ValueError(f"{name!r}: two keys differ only in case")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .base import LONGEST_TTL, Section, header_name
+from .base import LONGEST_TTL, Section, header_name, header_value_name
 
 
 class TenantConfig(Section):
@@ -88,19 +88,8 @@ class TenantConfig(Section):
         # A namespace no request can ask for (x-carpool-namespace is stripped, at most 256
         # printable characters; an empty one is the default namespace, never shared) would
         # silently share nothing.
-        from ..errors import RequestError
-        from ..request import MAX_HEADER_TOKEN, header_token  # (as a request's is read)
-
         for namespace in value:
-            try:
-                named = header_token(namespace, "x-carpool-namespace") == namespace != ""
-            except RequestError:
-                named = False
-            if not named:
-                raise ValueError(
-                    f"{namespace!r} is no namespace a client can name in x-carpool-namespace: "
-                    f"1-{MAX_HEADER_TOKEN} printable characters, no white space around them"
-                )
+            header_value_name(namespace, "x-carpool-namespace", "namespace")
         return value
 
 
