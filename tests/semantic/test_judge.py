@@ -203,6 +203,29 @@ async def test_a_question_every_asker_left_is_cancelled_and_one_still_awaited_go
     assert judge.failures == 0 and len(asked.bodies) == 1
 
 
+async def test_a_lookup_that_comes_as_its_question_is_cancelled_asks_afresh() -> None:
+    # The cancelled question stayed joinable until its task ended (a tick at least, longer
+    # while its call closed): a lookup joining it got CancelledError, its client a 500 (a
+    # review). It asks a question of its own.
+    asked = Gated()
+    judge = Judge(asked, model="j")
+    new, cached = Side("how can i reset my router"), Side("How do I reset my router?")
+    first = asyncio.ensure_future(judge.same_answer(new, cached))
+    await asked.reached(1).wait()
+    first.cancel()
+    second = asyncio.ensure_future(judge.same_answer(new, cached))  # in the same tick
+    await asyncio.gather(first, return_exceptions=True)
+    await asked.reached(2).wait()
+    for _ in range(3):
+        await asyncio.sleep(0)  # (the first question's task ended: its callback ran)
+    # Its end took nothing of the second's: a third lookup joins the second question.
+    assert len(judge._asking) == 1
+    third = asyncio.ensure_future(judge.same_answer(new, cached))
+    await asyncio.sleep(0)
+    asked.gate.set()
+    assert [await second, await third] == [True, True] and len(asked.bodies) == 2
+
+
 async def test_the_judge_asks_at_most_max_calls_at_once_and_a_full_queue_is_no_verdict() -> None:
     asked = Gated()
     judge = Judge(asked, model="j", max_calls=2, max_waiting=1)

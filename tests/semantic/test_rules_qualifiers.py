@@ -63,10 +63,24 @@ def passes(a: str, b: str) -> bool:
         ("Is it going to rain tomorrow?", "Was it going to rain tomorrow?"),
         ("How did Rome change during the Republic?", "How did Rome change after the Republic?"),
         ("What did the Fed do last month?", "What will the Fed do next month?"),
-        # A review's: "am" was no tense to the rule (0.9925, served).
+        # A review's: "am" was no tense to the rule (0.9925, served); nor a contracted "be".
         (
             "I am a US citizen. Do I need a visa for Canada?",
             "I was a US citizen. Do I need a visa for Canada?",
+        ),
+        (
+            "I'm a US citizen. Do I need a visa for Canada?",
+            "I was a US citizen. Do I need a visa for Canada?",
+        ),
+        ("It's a public holiday in Ireland today?", "It was a public holiday in Ireland today?"),
+        ("They're hoping to win the league, right?", "They were hoping to win the league, right?"),
+        # "do" asks of a time too, against "did" (a family of its own).
+        ("Does my card work abroad?", "Did my card work abroad?"),
+        ("How much did a stamp cost?", "How much does a stamp cost?"),
+        # A polite past is a first person's only.
+        (
+            "The Democrats were hoping to win the Senate. Why?",
+            "The Democrats are hoping to win the Senate. Why?",
         ),
         # how much
         ("Is my coffee too hot to drink at 70 C?", "Is my coffee hot enough to drink at 70 C?"),

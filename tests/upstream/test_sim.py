@@ -269,6 +269,11 @@ async def test_every_call_the_engine_answers_is_counted():
         stats = (await client.get("/sim/stats")).json()
     assert stats["calls"] == {"models": 1, "other": 1, "chat/completions": 1}
     assert stats["errors"] == 2
+    # The embedded engine (``carpool serve`` without --upstream) counts its pass-through too.
+    embedded = SimUpstream(replica())
+    for path in ("/v1/models", "/v1/models/foo", "/v1/nothing"):
+        await embedded.passthrough("GET", path, b"", {}, b"")
+    assert embedded.replica.stats()["calls"] == {"models": 2, "other": 1}
 
 
 async def test_counters_add_up():

@@ -48,6 +48,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -255,7 +256,7 @@ class Judge:
         else:
             asking = asyncio.ensure_future(self._asked(key, question, a, b))
             self._asking[key] = asking
-            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+            asking.add_done_callback(functools.partial(self._asked_no_more, key))
         # Shielded: an asker that leaves (its client gone, its deadline passed) does not cancel
         # the others' answer. The last asker gone with its client (cancelled) cancels it, as
         # any call every client left is; one past its deadline leaves it asked on, to be
@@ -278,6 +279,15 @@ class Judge:
                 self._askers[key] = left
             elif gone:
                 asking.cancel()
+                # No longer joinable: it ends a tick later at least (longer while its call
+                # closes), and a lookup joining it meanwhile got its CancelledError.
+                if self._asking.get(key) is asking:
+                    del self._asking[key]
+
+    def _asked_no_more(self, key: bytes, done: asyncio.Future[bool | None]) -> None:
+        # (Only its own entry: a question cancelled is replaced at once by a fresh one.)
+        if self._asking.get(key) is done:
+            del self._asking[key]
 
     async def _asked(self, key: bytes, question: Question, a: Text, b: Text) -> bool | None:
         """The judge's verdict, asked once a slot is free (the question's own task)."""

@@ -166,4 +166,16 @@ FORMAT = _family(
     solo="table bullets numbered paragraph list data genre",
 )
 
-FAMILIES = (QUANTIFIERS, MODALITY, TIME_FRAME, CONDITIONS, DEGREE, FORMAT)
+#: The time "do" asks of: "Does my card work abroad?" / "Did...". A family of its own: against
+#: a "has" or a "will" (``TIME_FRAME``) it is often no other time ("Did the Beatles ever
+#: play..." / "Have the Beatles ever played...", "Does coffee..." / "Will coffee...": true
+#: rewordings refused while "do" was a tense there).
+DO_TENSE = _family(
+    "do_tense",
+    """
+    did: did
+    do does: do
+    """,
+)
+
+FAMILIES = (QUANTIFIERS, MODALITY, TIME_FRAME, CONDITIONS, DEGREE, FORMAT, DO_TENSE)

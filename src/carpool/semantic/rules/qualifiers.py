@@ -57,6 +57,13 @@ _PRESENT_BE = {"is": "was", "are": "were", "am": "was"}
 #: A polite past asks now: "I was wondering if..." is "I am wondering if...".
 _POLITE = frozenset("wondering hoping".split())
 _BE = frozenset("am is are was were".split())
+#: Contractions of "be" read as its words ("'s" only after a pronoun or a question word: after
+#: a name it is a possessive).
+_CONTRACTED = {
+    **{f"{w}'m": (w, "am") for w in ("i",)},
+    **{f"{w}'re": (w, "are") for w in "we you they who what where how there".split()},
+    **{f"{w}'s": (w, "is") for w in "it he she that what who where how there here".split()},
+}
 #: Past participles that do not end in "-ed": "to have won", "to have been".
 _PARTICIPLES = frozenset(
     """been done gone won made had seen run led held built sent spent lost found taught thought
@@ -83,10 +90,17 @@ def _tenses(words: list[str]) -> list[str]:
       "Who was the first to walk" asks, so the nearest present "is" / "are" (up to six words
       before) is read as "was" / "were" and the "have" is dropped. Only "to have" before a
       participle: "Is it legal to have a dog" is the present;
-    - a polite past as no tense: the "be" of "was wondering", "am hoping" is dropped.
+    - a polite past as no tense: the "be" of "I was wondering", "we are hoping" is dropped (a
+      first person's only: "The Democrats were hoping to win" is a past);
+    - a contracted "be" as its word: "I'm" is "I am", "it's" "it is" ("I'm a US citizen" /
+      "I was a US citizen" is another time, as with "I am").
     """
-    out = list(words)
-    dropped = {i for i in range(len(out) - 1) if out[i] in _BE and out[i + 1] in _POLITE}
+    out = [w for word in words for w in _CONTRACTED.get(word, (word,))]
+    dropped = {
+        i
+        for i in range(1, len(out) - 1)
+        if out[i - 1] in ("i", "we") and out[i] in _BE and out[i + 1] in _POLITE
+    }
     for i in range(len(out) - 2):
         if out[i] == "going" and out[i + 1] == "to" and out[i + 2] not in _DETERMINERS:
             for k in range(i - 1, max(-1, i - 3), -1):

@@ -72,8 +72,10 @@ class SimUpstream:
         if method.upper() == "GET" and path == "/models":
             status, payload = 200, self.replica.models()
         elif method.upper() == "GET" and path.startswith("/models/"):
+            self.replica.counted("models")  # (as ``sim_server`` counts what it answers)
             status, payload = 200, self.replica.model_card(path[len("/models/") :])
         else:
+            self.replica.counted("other", error=True)
             reply = not_found_reply(method.upper(), path)
             status, payload = reply.status, reply.body
         content = orjson.dumps(payload)
