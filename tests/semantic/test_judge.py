@@ -226,6 +226,36 @@ async def test_a_lookup_that_comes_as_its_question_is_cancelled_asks_afresh() ->
     assert [await second, await third] == [True, True] and len(asked.bodies) == 2
 
 
+async def test_closing_waits_for_a_cancelled_question_to_close_its_call() -> None:
+    # A question cancelled (its askers gone) left ``_asking`` at once: aclose no longer waited
+    # for it and closed the judge's client while its call was still closing (a review).
+    closing_call, events = asyncio.Event(), []
+
+    class SlowToClose(Gated):
+        async def __call__(self, body: dict[str, Any]) -> str:
+            try:
+                return await super().__call__(body)
+            except asyncio.CancelledError:
+                closing_call.set()
+                try:
+                    await asyncio.sleep(0.05)  # (its connection closing; cut short, maybe)
+                finally:
+                    events.append("call closed")
+                raise
+
+    async def close_client() -> None:
+        events.append("client closed")
+
+    asked = SlowToClose()
+    judge = Judge(asked, model="j", closing=close_client)
+    lookup = asyncio.ensure_future(judge.same_answer(Side("a b c"), Side("a b d")))
+    await asked.reached(1).wait()
+    lookup.cancel()
+    await closing_call.wait()
+    await judge.aclose()
+    assert events == ["call closed", "client closed"]
+
+
 async def test_the_judge_asks_at_most_max_calls_at_once_and_a_full_queue_is_no_verdict() -> None:
     asked = Gated()
     judge = Judge(asked, model="j", max_calls=2, max_waiting=1)

@@ -20,29 +20,19 @@ another layer's call failed; a hung Redis then costs each keyed request one time
   there, the record's lease renewed (``carpool.redis.idempotency``): once Redis takes it, a retry
   on any instance is replayed. Only if the lease runs out first may a retry on another instance
   run the key again, once.
-- A key replayed from this process's copy is written back to Redis when Redis has no record of
-  it (``_restore``, in the background, off the replay's path): Redis restarted empty, or a key
-  run here while Redis could not be read. A retry on another instance then replays this
-  answer, rather than run the key again and the two instances replay two answers for the
-  retention. (One that reaches another instance first, before any retry reaches this one,
-  still runs it again there: that instance has no copy to tell it otherwise.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from dataclasses import dataclass, field
 
-from ..background import Background
 from ..redis.connection import PoolExhausted
 from ..store.base import StoreUnavailable
 from .errors import IdempotencyUnavailable
 from .memory import MemoryIdempotencyRecords
 from .records import Begin, IdempotencyRecords, StoredResponse
-
-log = logging.getLogger("carpool.idempotency")
 
 
 @dataclass(slots=True)
@@ -88,16 +78,10 @@ class FallbackRecords:
         # fingerprint and settling. While Redis cannot be read, a retry of one of them here is answered
         # ``processing`` (or ``mismatch``), not run again from this process's records.
         self._open_in_shared: dict[str, _Open] = {}
-        # Copies of this process's being written back to Redis (``_restore``), by key.
-        self._restoring = Background("writing an idempotency record back to Redis", log)
-        self._restoring_keys: set[str] = set()
 
     async def begin(self, key: str, fingerprint: str) -> Begin:
         known = self.local.look(key, fingerprint)
         if known is not None:
-            if known.response is not None and key not in self._restoring_keys:
-                self._restoring_keys.add(key)
-                self._restoring.spawn(self._restore(key, fingerprint, known.response))
             return known
         opened = self._open_in_shared.get(key)
         if opened is not None:
@@ -117,18 +101,6 @@ class FallbackRecords:
         if begin.token is not None:
             self._open_in_shared[key] = _Open(begin.token, fingerprint)
         return begin
-
-    async def _restore(self, key: str, fingerprint: str, response: StoredResponse) -> None:
-        """``response``, this process's copy of ``key``'s, written to Redis if Redis has no
-        record of the key (the module's contract); one Redis has, or Redis down: nothing."""
-        try:
-            with contextlib.suppress(StoreUnavailable):
-                begin = await self.shared.begin(key, fingerprint)
-                if begin.token is not None:
-                    await self.shared.finish(key, begin.token, response)
-                    log.info("an idempotency record Redis had lost was written back")
-        finally:
-            self._restoring_keys.discard(key)
 
     def _owner(self, token: str) -> IdempotencyRecords:
         return self.local if token in self._local_tokens else self.shared
@@ -212,6 +184,5 @@ class FallbackRecords:
         return await self.local.wait(key, fingerprint, left)
 
     async def aclose(self) -> None:
-        await self._restoring.drain(0.0)
         await self.shared.aclose()
         await self.local.aclose()

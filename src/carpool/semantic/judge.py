@@ -215,6 +215,9 @@ class Judge:
         self._verdicts: LRU[bytes, bool] = LRU(max_entries=cache_entries)
         self._asking: dict[bytes, asyncio.Task[bool | None]] = {}  # in flight or waiting
         self._askers: dict[bytes, int] = {}  # lookups awaiting each question asked
+        # Every question's task till it ends: those cancelled too, out of ``_asking`` at once
+        # but still closing their call, which ``aclose`` waits for before closing the client.
+        self._questions: set[asyncio.Future[bool | None]] = set()
         self._slots = asyncio.Semaphore(max_calls)
         self._most = max_calls + max_waiting  # questions in ``_asking`` at most
         self.calls = 0
@@ -256,6 +259,7 @@ class Judge:
         else:
             asking = asyncio.ensure_future(self._asked(key, question, a, b))
             self._asking[key] = asking
+            self._questions.add(asking)
             asking.add_done_callback(functools.partial(self._asked_no_more, key))
         # Shielded: an asker that leaves (its client gone, its deadline passed) does not cancel
         # the others' answer. The last asker gone with its client (cancelled) cancels it, as
@@ -286,6 +290,7 @@ class Judge:
 
     def _asked_no_more(self, key: bytes, done: asyncio.Future[bool | None]) -> None:
         # (Only its own entry: a question cancelled is replaced at once by a fresh one.)
+        self._questions.discard(done)
         if self._asking.get(key) is done:
             del self._asking[key]
 
@@ -310,7 +315,7 @@ class Judge:
         return verdict
 
     async def aclose(self) -> None:
-        asking = list(self._asking.values())
+        asking = list(self._questions)
         for task in asking:
             task.cancel()
         if asking:

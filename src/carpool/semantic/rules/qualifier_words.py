@@ -166,16 +166,19 @@ FORMAT = _family(
     solo="table bullets numbered paragraph list data genre",
 )
 
-#: The time "do" asks of: "Does my card work abroad?" / "Did...". A family of its own: against
-#: a "has" or a "will" (``TIME_FRAME``) it is often no other time ("Did the Beatles ever
-#: play..." / "Have the Beatles ever played...", "Does coffee..." / "Will coffee...": true
-#: rewordings refused while "do" was a tense there).
+#: The time "do" asks of: "Does my card work abroad?" / "Did...", "Did the Fed raise rates?" /
+#: "Will the Fed...". A family of its own: against a "has" (``TIME_FRAME``) "did" is often no
+#: other time ("Did the Beatles ever play..." / "Have the Beatles ever played..."), and "will"
+#: against "do" none ("Does coffee dehydrate you?" / "Will coffee...": true rewordings
+#: refused while "do" was a tense there), so "will" is read as "do" here.
 DO_TENSE = _family(
     "do_tense",
     """
     did: did
     do does: do
+    will: future
     """,
+    alike="future=do",
 )
 
 FAMILIES = (QUANTIFIERS, MODALITY, TIME_FRAME, CONDITIONS, DEGREE, FORMAT, DO_TENSE)

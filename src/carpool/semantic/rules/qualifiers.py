@@ -63,6 +63,14 @@ _CONTRACTED = {
     **{f"{w}'m": (w, "am") for w in ("i",)},
     **{f"{w}'re": (w, "are") for w in "we you they who what where how there".split()},
     **{f"{w}'s": (w, "is") for w in "it he she that what who where how there here".split()},
+    **{f"{w}'ve": (w, "have") for w in "i we you they who what where how".split()},
+    # A negated one too: "Doesn't Apple make phones?" / "Didn't..." is another time.
+    **{
+        f"{w}n't": (w, "not")
+        for w in "do does did is are was were has have had can could should would".split()
+    },
+    "won't": ("will", "not"),
+    "can't": ("can", "not"),
 }
 #: Past participles that do not end in "-ed": "to have won", "to have been".
 _PARTICIPLES = frozenset(
@@ -92,8 +100,8 @@ def _tenses(words: list[str]) -> list[str]:
       participle: "Is it legal to have a dog" is the present;
     - a polite past as no tense: the "be" of "I was wondering", "we are hoping" is dropped (a
       first person's only: "The Democrats were hoping to win" is a past);
-    - a contracted "be" as its word: "I'm" is "I am", "it's" "it is" ("I'm a US citizen" /
-      "I was a US citizen" is another time, as with "I am").
+    - a contraction as its words: "I'm" is "I am", "it's" "it is", "I've" "I have", "didn't"
+      "did not" ("I'm a US citizen" / "I was a US citizen" is another time, as with "I am").
     """
     out = [w for word in words for w in _CONTRACTED.get(word, (word,))]
     dropped = {
