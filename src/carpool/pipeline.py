@@ -241,7 +241,8 @@ class Gateway:
             return await self._handle(client)  # (nobody traces: not even a no-op span)
         with tracer.span("carpool.request", **{"carpool.route": client.path}) as span:
             reply = await self._handle(client)
-            # A refusal says ``bypass`` to its client but is counted in ``rejected``: so is its span.
+            # A refusal says ``bypass`` to its client, but is counted in ``rejected``: so is its
+            # span.
             said = "rejected" if reply.rejected else reply.outcome.value if reply.outcome else ""
             span.set_attribute("carpool.outcome", said)
             return reply

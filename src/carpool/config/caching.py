@@ -442,8 +442,9 @@ class SemanticConfig(Section):
         "prompts are embedded under it, batched together: never a client's key. A credential "
         "the gateway holds (`upstream.api_key` / `api_keys`, or a user and password in a "
         "replica's URL) replaces any other on its replicas, this one too: set, this key is "
-        "sent only where the gateway holds none. null: the held credential, else none (a keyless upstream; start-up logs a warning: one that "
-        "wants a key refuses every embedding, and the semantic cache never hits).",
+        "sent only where the gateway holds none. null: the held credential, else none (a "
+        "keyless upstream; start-up logs a warning: one that wants a key refuses every "
+        "embedding, and the semantic cache never hits).",
     )
 
     @field_validator("embedder_api_key", mode="before")

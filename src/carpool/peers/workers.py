@@ -405,8 +405,8 @@ class Peers:
         return [text for text in texts if text is not None]
 
     async def _own_of(self, socket: Path, path: str) -> str | None:
-        """``path`` (``/metrics``, ``/stats``, ``/sim/stats``) as the worker on ``socket`` answers it for itself
-        (through its door), or None."""
+        """``path`` (``/metrics``, ``/stats``, ``/sim/stats``) as the worker on ``socket``
+        answers it for itself (through its door), or None."""
         headers = {PEER_HEADER.decode(): self._secret}
         if self._admin_token:
             headers["authorization"] = f"Bearer {self._admin_token}"

@@ -60,8 +60,8 @@ fails with a 500 for the record's retention.
 The 507 a full Redis leaves (``_NOT_KEPT_ANSWER``) is written as its status alone, with neither
 headers nor body (``_finish_args``), and read back as that 507 (``_decode``): a full Redis
 takes it past ``maxmemory`` for the retention, from every keyed request: ~200 bytes a record
-(``MEMORY USAGE``), not ~1.4 KB with the 507's text. (A gateway from before 12-07 reads such a record as
-one it cannot read: the unreadable record's 507, logged.)
+(``MEMORY USAGE``), not ~1.4 KB with the 507's text. (A gateway from before 12-07 reads such a
+record as one it cannot read: the unreadable record's 507, logged.)
 """
 
 from __future__ import annotations

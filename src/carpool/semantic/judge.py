@@ -23,12 +23,12 @@ Contract:
   asked once: those who ask it meanwhile await that answer (``joined``); it runs in a task of
   its own, so an asker that leaves leaves it to the others; the last one gone with its client
   (cancelled) cancels it, as any call every client left is (one past its deadline leaves it
-  asked, its verdict remembered for the next lookup of the pair). At most ``max_calls`` questions are
-  asked at once (the judge may be the gateway's own replicas, serving the clients) and
-  ``max_waiting`` more wait for a slot, within ``timeout``; a question beyond those is not
-  asked: no verdict (``busy``), a miss. ``calls`` counts the questions asked of the model (not
-  those answered from memory: ``remembered``), ``failures`` those that errored or timed out
-  (waiting for a slot included). Judge calls are never upstream calls saved.
+  asked, its verdict remembered for the next lookup of the pair). At most ``max_calls``
+  questions are asked at once (the judge may be the gateway's own replicas, serving the
+  clients) and ``max_waiting`` more wait for a slot, within ``timeout``; a question beyond
+  those is not asked: no verdict (``busy``), a miss. ``calls`` counts the questions asked of
+  the model (not those answered from memory: ``remembered``), ``failures`` those that errored
+  or timed out (waiting for a slot included). Judge calls are never upstream calls saved.
 - ``JudgedGuard(inner, judge, band, overrules=(), verifier_band=(0, 1))`` is a
   :class:`~carpool.semantic.guard.Guard`:
   the inner guard judges every candidate first; a candidate an exact rule refused stays refused,

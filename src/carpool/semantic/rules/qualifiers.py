@@ -23,11 +23,12 @@ verifier, which reads the shared words, scored them 0.97-0.99. The rule reads ea
 Some classes are one against each other and not alone (a family's ``alike``): "every day" /
 "each day" / "per day", "only staying" / "just staying" are one question, but "each" or "just"
 added alone restricts nothing, and "just" against another class than "only" is often "simply"
-("Is this some fantasy?" / "Is this just fantasy?"). Three ways of saying a tense are read as the plain one first: "be
-going to" is "will" ("Is it going to rain" / "Will it rain"), a perfect infinitive is the
-past ("Who is the first to have walked on the moon" / "Who was the first to walk..."), and a
-polite past is no tense ("I was wondering if..." / "I am wondering if..."). A settled
-fact asked in another tense otherwise stays refused: no word tells "What were the causes" /
+("Is this some fantasy?" / "Is this just fantasy?"). Three ways of saying a tense are read as
+the plain one first: "be going to" is "will" ("Is it going to rain" / "Will it rain"), a
+perfect infinitive is the past ("Who is the first to have walked on the moon" / "Who was the
+first to walk..."), and a polite past is no tense ("I was wondering if..." / "I am wondering
+if..."); contractions are read as their words ("I'm", "didn't"). A settled fact asked in
+another tense otherwise stays refused: no word tells "What were the causes" /
 "What are the causes" from "Was Pluto a planet?" / "Is Pluto a planet?".
 
 A negation inside an edit that changes a condition is read with it ("provided I notify" / "if I
@@ -57,8 +58,8 @@ _PRESENT_BE = {"is": "was", "are": "were", "am": "was"}
 #: A polite past asks now: "I was wondering if..." is "I am wondering if...".
 _POLITE = frozenset("wondering hoping".split())
 _BE = frozenset("am is are was were".split())
-#: Contractions of "be" read as its words ("'s" only after a pronoun or a question word: after
-#: a name it is a possessive).
+#: Contractions read as their words: of "be", "have", and the negated ones ("'s" only after a
+#: pronoun or a question word: after a name it is a possessive).
 _CONTRACTED = {
     **{f"{w}'m": (w, "am") for w in ("i",)},
     **{f"{w}'re": (w, "are") for w in "we you they who what where how there".split()},

@@ -16,7 +16,8 @@ Contract:
   tokens (a whole answer abandoned mid-decode counts the steps it decoded, as a stream does),
   busy seconds (each request's time holding its slot, summed: slot-seconds, past wall time
   when requests overlap) and queue-wait seconds and the requests waiting (embeddings
-  included), time-to-first-token sum and count (generation requests only). In flight now and at most are counted apart:
+  included), time-to-first-token sum and count (generation requests only). In flight now and
+  at most are counted apart:
   ``in_flight`` / ``max_in_flight`` are generation requests holding one of ``max_concurrency``
   slots (never more), ``embedding_in_flight`` / ``max_embedding_in_flight`` embeddings calls in
   one of ``embedding_concurrency`` passes (never more).
@@ -164,9 +165,10 @@ class SimReplica:
         return {"object": "list", "data": [self.model_card(MODEL_ID)]}
 
     def counted(self, call: str, error: bool = False) -> None:
-        """A call answered outside ``handle`` (``sim_server``: a model's card, a body that is not
-        JSON, a path it does not serve as ``other``): every call the engine answers is in
-        ``calls``, as the gateway's ``upstream_calls`` counts it; a refusal in ``errors``."""
+        """A call answered outside ``handle`` (by ``sim_server`` or the embedded ``SimUpstream``:
+        a model's card, a body that is not JSON, a path it does not serve as ``other``): every
+        call the engine answers is in ``calls``, as the gateway's ``upstream_calls`` counts it;
+        a refusal in ``errors``."""
         self.calls[call] = self.calls.get(call, 0) + 1
         self.errors += error
 
