@@ -114,7 +114,7 @@ class SimReplica:
         path = strip_v1(path)
         if path not in ENDPOINTS:
             return not_found_reply("POST", path)
-        self.calls[path.lstrip("/")] = self.calls.get(path.lstrip("/"), 0) + 1
+        self.counted(path.lstrip("/"))
         try:
             if not isinstance(body, Mapping):
                 raise RequestError("the request body must be a JSON object")
@@ -165,10 +165,11 @@ class SimReplica:
         return {"object": "list", "data": [self.model_card(MODEL_ID)]}
 
     def counted(self, call: str, error: bool = False) -> None:
-        """A call answered outside ``handle`` (by ``sim_server`` or the embedded ``SimUpstream``:
-        a model's card, a body that is not JSON, a path it does not serve as ``other``): every
-        call the engine answers is in ``calls``, as the gateway's ``upstream_calls`` counts it;
-        a refusal in ``errors``."""
+        """A call the engine answered, by what it called (``handle``'s, and those answered
+        outside it, by ``sim_server`` or the embedded ``SimUpstream``: a model's card, a body
+        that is not JSON, a path it does not serve as ``other``): every call the engine answers
+        is in ``calls``, as the gateway's ``upstream_calls`` counts it; a refusal in
+        ``errors``."""
         self.calls[call] = self.calls.get(call, 0) + 1
         self.errors += error
 
