@@ -45,6 +45,7 @@ from carpool.bench.workloads import (
 from carpool.cli import main
 from carpool.config import Config
 from fakes.model_env import UNREADABLE, model_env
+from fakes.required import missing
 
 PNGS = ("outcomes_over_time.png", "latency_cdf.png", "upstream_vs_oracle.png")
 
@@ -1171,10 +1172,7 @@ def test_wrk_measures_a_rate_of_posted_requests_that_the_server_answered():
     against the fixed-bytes app, every answer a 2xx; against the simulated engine, which
     counts what it answers, real POSTs of the body."""
     if not wrk.available():
-        message = "wrk is not on PATH (apt-get install wrk)"
-        if os.environ.get("REQUIRE_WRK", "") not in ("", "0"):
-            pytest.fail(f"{message}, and REQUIRE_WRK is set")
-        pytest.skip(f"{message}; set REQUIRE_WRK=1 to make this a failure")
+        missing("wrk is not on PATH (apt-get install wrk)", "REQUIRE_WRK")
     with fixed_app() as app, upstream() as engine:
         measured = wrk.throughput(app.port, chat_body(0), connections=4, seconds=1)
         assert measured["rps"] > 0 and measured["non_2xx"] == 0

@@ -15,7 +15,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import os
 import re
 import shutil
 from collections import Counter
@@ -24,10 +23,11 @@ from typing import Any
 
 import pytest
 
+from fakes.required import missing, required
 from fakes.waiting import eventually
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-REQUIRE_BROWSER = os.environ.get("REQUIRE_CHROMIUM", "") not in ("", "0")
+REQUIRE_BROWSER = required("REQUIRE_CHROMIUM")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -100,10 +100,7 @@ document.addEventListener('securitypolicyviolation',
 @pytest.fixture
 async def browser() -> AsyncIterator[Any]:
     if CHROMIUM is None:
-        message = "chromium is not on PATH (apt-get install chromium)"
-        if REQUIRE_BROWSER:
-            pytest.fail(f"{message}, and REQUIRE_CHROMIUM is set")
-        pytest.skip(f"{message}; set REQUIRE_CHROMIUM=1 to make this a failure")
+        missing("chromium is not on PATH (apt-get install chromium)", "REQUIRE_CHROMIUM")
     if not REQUIRE_BROWSER:
         pytest.importorskip("playwright.async_api", reason="playwright is not installed")
     from playwright.async_api import async_playwright

@@ -37,8 +37,8 @@ import pytest
 
 from conftest import Served, run_gateway
 from fakes.ports import free_port
+from fakes.required import missing
 
-REQUIRE = os.environ.get("REQUIRE_ENGINE", "") not in ("", "0")
 MODEL = "smollm2"
 # Every test here on one worker (pytest -n ... --dist loadgroup): one engine, started once.
 pytestmark = pytest.mark.xdist_group("llama_cpp_engine")
@@ -83,9 +83,7 @@ def test_the_engines_model_is_the_pinned_gguf():
     """The model file handed to the engine is the one its SHA-256 names, nothing else."""
     gguf = _gguf()
     if not isinstance(gguf, Path):
-        if REQUIRE:
-            pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
-        pytest.skip(f"no engine ({gguf})")
+        missing(f"no engine ({gguf})", "REQUIRE_ENGINE")
     assert _pinned(gguf), gguf
 
 
@@ -94,9 +92,10 @@ def engine() -> Iterator[str]:
     """The engine's base URL (``.../v1``), serving until the module's tests are done."""
     gguf = _gguf()
     if not isinstance(gguf, Path):
-        if REQUIRE:
-            pytest.fail(f"no engine ({gguf}), and REQUIRE_ENGINE is set")
-        pytest.skip(f"no engine ({gguf}); the real-engine tests need .ci/run's engine install")
+        missing(
+            f"no engine ({gguf}): the real-engine tests need .ci/run's engine install",
+            "REQUIRE_ENGINE",
+        )
     if not _pinned(gguf):  # (never a file other than the pinned one: its parser is native)
         pytest.fail(f"{gguf} is not the pinned GGUF (GGUF_SHA256)")
     port = free_port()

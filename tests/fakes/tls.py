@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import select
 import shutil
 import socket
@@ -41,8 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from fakes.required import missing
 from fakes.serving import serve_app_with_server
 
 __all__ = ["Certs", "EndlessStream", "endless_stream", "make_certs", "serve_tls"]
@@ -76,10 +74,9 @@ def make_certs(directory: Path) -> Certs:
     """A test CA and the server certificates it signed (see the module's doc), in
     ``directory``."""
     if shutil.which("openssl") is None:
-        message = "the TLS tests need the openssl command (Debian's openssl package)"
-        if os.environ.get("REQUIRE_OPENSSL", "") not in ("", "0"):
-            pytest.fail(f"{message}, and REQUIRE_OPENSSL is set")
-        pytest.skip(f"{message}; set REQUIRE_OPENSSL=1 to make this a failure")
+        missing(
+            "the TLS tests need the openssl command (Debian's openssl package)", "REQUIRE_OPENSSL"
+        )
     key = ("-newkey", "rsa:2048", "-nodes")
     _openssl(
         "req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
