@@ -742,6 +742,32 @@ def test_order_refuses_roles_swapped_through_a_pronoun():
         assert refused(a, b) == "order", (a, b)
 
 
+def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_question():
+    # Sentences were split at "." "?" "!" ";" only: a question after a comma or a dash repeats
+    # the pronoun ("what should I do"), the exchange swapped it too, and the pair was served.
+    for a, b in (
+        ("My landlord is suing me, what should I do?", "I am suing my landlord, what should I do?"),
+        ("My brother owes me money, what should I do?", "I owe my brother money, what should I do?"),
+        ("My boss fired me, can I sue?", "I fired my boss, can I sue?"),
+        ("My wife is divorcing me, what should I do?", "I am divorcing my wife, what should I do?"),
+        (
+            "She asked him to marry her, what should he say?",
+            "He asked her to marry him, what should he say?",
+        ),
+        (
+            "I am sponsoring the wife, what visa does the wife need?",
+            "The wife is sponsoring me, what visa does the wife need?",
+        ),
+        ("My landlord is suing me - what should I do?", "I am suing my landlord - what should I do?"),
+        (
+            "My landlord is suing me and I need advice, what should I do?",
+            "I am suing my landlord and I need advice, what should I do?",
+        ),
+    ):
+        assert order.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "order", (a, b)
+
+
 def test_order_the_same_roles_with_pronouns_reworded_pass():
     for a, b in (
         ("My boss yells at me. What should I do?", "What should I do when my boss yells at me?"),

@@ -128,7 +128,8 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
             j = place_a[y]
             if abs(place_b[x] - j) > SLACK or _joined(a[i + 1 : j]):
                 continue  # x lands too far, or "X and Y" / "Y and X": the same pair either way
-            exchanged = tuple(y if w == x else x if w == y else w for w in a)
+            exchanged = list(a)  # at their first places: a word said again is no role
+            exchanged[i], exchanged[j] = y, x
             after = _mismatches(exchanged, b, SLACK)
             if after <= SLACK and after <= before - 2:
                 return True
@@ -145,6 +146,8 @@ _CASES = {
 _POSSESSIVES = frozenset({"my", "our", "their", "his"})
 #: (From a run's start, read whole: "!" * 4,095 + "x" was tried from every mark, 0.4 s.)
 _SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
+#: A sentence's mark, or a comma, a colon or a dash between words.
+_CLAUSE = re.compile(r"(?<![.?!;,:])[.?!;,:]++(?:\s|$)|\s[-\u2013\u2014]+\s")
 
 
 def _folded(sentence: str) -> tuple[str, ...]:
@@ -163,15 +166,20 @@ def _folded(sentence: str) -> tuple[str, ...]:
 
 
 def _roles(a: str, b: str) -> bool:
-    """A sentence of each side, the same but for a role taken by a pronoun and a name ("My
-    manager keeps interrupting me" / "I keep interrupting my manager")."""
-    sa, sb = _SENTENCE.split(norm(a)), _SENTENCE.split(norm(b))
-    if len(sa) != len(sb):
-        return False
-    for x, y in zip(sa, sb, strict=True):
-        fx, fy = _folded(x), _folded(y)
-        if fx != fy and (_swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)):
-            return True
+    """A sentence or a clause of each side, the same but for a role taken by a pronoun and a
+    name ("My manager keeps interrupting me" / "I keep interrupting my manager"); clauses
+    because a question after a comma or a dash says a pronoun again ("She asked him to marry
+    her, what should he say?")."""
+    for pieces in (_SENTENCE, _CLAUSE):
+        sa, sb = pieces.split(norm(a)), pieces.split(norm(b))
+        if len(sa) != len(sb):
+            continue
+        for x, y in zip(sa, sb, strict=True):
+            fx, fy = _folded(x), _folded(y)
+            if fx != fy and (
+                _swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)
+            ):
+                return True
     return False
 
 
