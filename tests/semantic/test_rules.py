@@ -747,7 +747,10 @@ def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_ques
     # the pronoun ("what should I do"), the exchange swapped it too, and the pair was served.
     for a, b in (
         ("My landlord is suing me, what should I do?", "I am suing my landlord, what should I do?"),
-        ("My brother owes me money, what should I do?", "I owe my brother money, what should I do?"),
+        (
+            "My brother owes me money, what should I do?",
+            "I owe my brother money, what should I do?",
+        ),
         ("My boss fired me, can I sue?", "I fired my boss, can I sue?"),
         ("My wife is divorcing me, what should I do?", "I am divorcing my wife, what should I do?"),
         (
@@ -758,7 +761,10 @@ def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_ques
             "I am sponsoring the wife, what visa does the wife need?",
             "The wife is sponsoring me, what visa does the wife need?",
         ),
-        ("My landlord is suing me - what should I do?", "I am suing my landlord - what should I do?"),
+        (
+            "My landlord is suing me - what should I do?",
+            "I am suing my landlord - what should I do?",
+        ),
         (
             "My landlord is suing me and I need advice, what should I do?",
             "I am suing my landlord and I need advice, what should I do?",
