@@ -501,6 +501,25 @@ def test_quoted_code_that_differs_in_one_punctuation_mark_is_refused():
         assert refused(a, b) == "quoted", (a, b)
 
 
+def test_quoted_a_bracket_or_brace_literal_standing_alone_is_code():
+    # Only a bracket attached to a word or a spaced "=" made code: a literal standing alone was
+    # prose, and a trailing comma (invalid JSON) was served at 0.98.
+    for a, b in (
+        ("Is [1, 2, 3,] valid JSON?", "Is [1, 2, 3] valid JSON?"),
+        ('Is {"a": 1,} valid JSON?', 'Is {"a": 1} valid JSON?'),
+        ("Is the list [1, 2, 3,] valid?", "Is the list [1, 2, 3] valid?"),
+        ("Is [1, 2, 3,] a valid list in Python?", "Is [1, 2, 3] a valid list in Python?"),
+    ):
+        assert quoted.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "quoted", (a, b)
+    for a, b in (
+        ("What does [1, 2] + [3] give?", "What does [1, 2] + [3] give"),
+        ("Explain the notation [a, b] in math.", "Explain the notation [a, b] in math"),
+        ("What is a list [in Python]?", "What is a list in Python?"),
+    ):
+        assert passes(quoted.RULE, a, b), (a, b)
+
+
 def test_quoted_code_with_the_same_punctuation_and_prose_punctuation_pass():
     for a, b in (
         ("How do I use print() in Python?", "How do I use print() in Python"),

@@ -20,7 +20,8 @@ request; the answer differs in every word. So:
   server logs say connection refused", "error: KeyError"; to the sentence's end): when both
   sides say such a text, the texts must be the same words in order. "...logs say connection
   refused" / "...connection timed out" differ (the verifier scored them 0.99);
-- code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, or a `` = ``)
+- code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, a `` = ``, or a
+  bracket or brace literal holding a comma or a colon, ``[1, 2]``, ``{"a": 1}``)
   keeps its punctuation: when both sides have code and the same words, every chunk between
   spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
   marks at a chunk's end dropped). "for i in range(10) print(i)" / "for i in range(10):
@@ -201,8 +202,11 @@ def _says(text: str) -> tuple[tuple[str, ...], ...]:
     return tuple(w for w in said if w)
 
 
-#: Code outside backticks: a bracket or parenthesis attached to a word, or a spaced "=".
+#: Code outside backticks: a bracket or parenthesis attached to a word, a spaced "=", or a
+#: bracket or brace literal holding a comma or a colon ("[1, 2, 3,]", '{"a": 1}').
 _CODE = re.compile(r"\w[(\[]|\s=\s")
+#: (No bracket inside, so each try stops at the next one: linear.)
+_LITERAL = re.compile(r"[\[{][^\[\]{}]*[\]}]")
 _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 
 
@@ -210,7 +214,9 @@ _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 def _code_chunks(text: str) -> Counter[str] | None:
     """The chunks of code that hold its punctuation, or None when ``text`` has no code."""
     text = norm(text)
-    if not _CODE.search(text):
+    if not _CODE.search(text) and not any(
+        "," in m.group() or ":" in m.group() for m in _LITERAL.finditer(text)
+    ):
         return None
     chunks = (c.rstrip("?!.") for c in text.split())
     return Counter(c for c in chunks if _CODE_MARK.search(c))
