@@ -740,3 +740,70 @@ async def test_a_worker_started_during_the_run_admits_the_client_keys_the_run_st
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does(fake, tmp_path):
+    """A Ctrl-C reaches every process of the group: each worker had the terminal's SIGINT and
+    its supervisor's SIGTERM, and a second Ctrl-C was uvicorn's force quit in every worker: the
+    requests in progress cut without an answer, the lifespan skipped (a Redis idempotency record
+    left processing until its lease ran out). A worker leaves SIGINT to its supervisor, which
+    stops it with a SIGTERM: Ctrl-C twice lets the requests finish (status 0, the layers
+    closed)."""
+    import asyncio
+    import os
+    import signal
+
+    from fakes.waiting import eventually
+
+    port = free_port()
+    log = tmp_path / "workers.log"
+    settings = {"log_level": "info", "shutdown": {"drain_s": 0, "grace_s": 60}}
+    proc = start_serve(
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
+        serve_env(settings),
+        log,
+        own_group=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        fake.gate = asyncio.Event()  # each upstream call waits for it
+        clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(4)]
+        requests = [
+            asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": f"{QUESTION} {i}"}],
+                    },
+                )
+            )
+            for i, client in enumerate(clients)
+        ]
+        await eventually(lambda: len(fake.calls) == 4, what="the four calls in progress")
+        for presses in (1, 2):
+            os.killpg(proc.pid, signal.SIGINT)
+            await eventually(
+                lambda presses=presses: log.read_text().count("SIGINT left to the supervisor")
+                >= 2 * presses
+                or proc.poll() is not None,
+                what=f"Ctrl-C {presses} read by both workers",
+            )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        fake.gate.set()
+        answers = await asyncio.gather(*requests)
+        assert [answer.status_code for answer in answers] == [200] * 4, [
+            answer.text for answer in answers
+        ]
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        text = log.read_text()
+        assert text.count("Application shutdown complete") == 2, text[-3000:]
+        assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
+        for client in clients:
+            await client.aclose()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -149,6 +149,7 @@ from functools import partial
 from importlib import resources
 from itertools import chain
 from pathlib import Path
+from types import FrameType
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -1049,6 +1050,7 @@ def create_worker_app() -> GatewayApp:
     grace_cut_at_info()  # (uvicorn's own server stops this worker: its cut at INFO too)
     _leave_with_parent(os.environ.get(PARENT_VARIABLE))
     _health_checks_answered_by_the_loop()
+    _sigint_left_to_the_supervisor()
     directory = os.environ.get(PEERS_VARIABLE)
     peers = None
     if directory and not config.redis:
@@ -1061,6 +1063,23 @@ def create_worker_app() -> GatewayApp:
     return GatewayApp(
         build_gateway(config, peers=peers), freeze_gc=True, grace_s=config.shutdown.grace_s
     )
+
+
+def _sigint_left_to_the_supervisor() -> None:
+    """A Ctrl-C reaches every process of the group: each worker had the terminal's SIGINT and
+    its supervisor's SIGTERM, and a second Ctrl-C was uvicorn's force quit in every worker (the
+    requests in progress cut without an answer, the lifespan skipped: a Redis idempotency record
+    left processing until its lease ran out). The supervisor stops its workers on a SIGINT (with
+    a SIGTERM each, then kills one still running past the grace period): a worker only says it
+    saw one. (Called as uvicorn builds the app, inside its server's capture of the signals,
+    which puts its own handler back as the worker ends.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return  # (signals are handled on the main thread only)
+
+    def said(signum: int, frame: FrameType | None) -> None:
+        log.info("SIGINT left to the supervisor: it stops this worker")
+
+    signal.signal(signal.SIGINT, said)
 
 
 def _health_checks_answered_by_the_loop() -> None:

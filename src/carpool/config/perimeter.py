@@ -347,5 +347,10 @@ class ShutdownConfig(Section):
         "too), not as an error. Requests waiting in an embeddings batch are sent "
         "as the drain begins, whatever `batching.max_batch_delay_ms`. A second signal once "
         "stopping (Ctrl-C twice) changes nothing; a third ends the grace period at once, "
-        "cutting those requests so (one worker).",
+        "cutting those requests so (one worker; with `workers` > 1 a Ctrl-C after the first "
+        "changes nothing, and a worker still running 15 s past the grace period is killed). "
+        "Give the platform's stop timeout more than `drain_s` + `grace_s` (35 s by default; "
+        "Kubernetes' terminationGracePeriodSeconds is 30 s by default, `docker stop` waits "
+        "10 s): its SIGKILL cuts the requests with no 503 and leaves a Redis Idempotency-Key "
+        "record in progress until its lease ends.",
     )
