@@ -787,9 +787,10 @@ async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does
         for presses in (1, 2):
             os.killpg(proc.pid, signal.SIGINT)
             await eventually(
-                lambda presses=presses: log.read_text().count("SIGINT left to the supervisor")
-                >= 2 * presses
-                or proc.poll() is not None,
+                lambda presses=presses: (
+                    log.read_text().count("SIGINT left to the supervisor") >= 2 * presses
+                    or proc.poll() is not None
+                ),
                 what=f"Ctrl-C {presses} read by both workers",
             )
         assert proc.poll() is None, log.read_text()[-3000:]

@@ -130,7 +130,7 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
                 continue  # x lands too far, or "X and Y" / "Y and X": the same pair either way
             exchanged = list(a)  # at their first places: a word said again is no role
             exchanged[i], exchanged[j] = y, x
-            after = _mismatches(exchanged, b, SLACK)
+            after = _mismatches(tuple(exchanged), b, SLACK)
             if after <= SLACK and after <= before - 2:
                 return True
     return False
