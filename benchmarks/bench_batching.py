@@ -5,12 +5,11 @@
 call) or through the batcher (``max_batch_size`` 32, ``max_batch_delay_s`` 5 ms, 8192 tokens).
 Two workloads: every text distinct, and texts drawn from 256 distinct ones (dedup helps).
 
-The sim's embeddings cost model (``SimReplica._embeddings``) is: take one of ``max_concurrency``
-slots, sleep ``tokens * prefill_ms_per_token``, answer. There is no per-call cost, so merging N
-items into one call costs as much engine time as N calls, and serialises them in one slot instead
-of spreading them over the slots: in the sim as it is, batching can only win through dedup. The
-``--call-overhead-ms`` option wraps the sim with a fixed per-call cost that holds a slot (what a
-real engine pays per forward pass / request scheduling) to show the effect once the sim models it.
+The sim's embeddings cost model (``SimReplica._embeddings``): one forward pass per call, in one of
+``embedding_concurrency`` passes at once, ``embedding_call_ms`` plus the prefill of the call's
+longest item. Merging N items into one call pays the per-call cost once, so batching wins on
+distinct texts too, and more through dedup. ``--call-overhead-ms`` adds a fixed per-call cost
+that holds a slot on top of it (what a real engine pays per request scheduling).
 
     .venv/bin/python benchmarks/bench_batching.py [--requests N] [--call-overhead-ms MS]
 """

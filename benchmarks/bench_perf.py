@@ -40,6 +40,7 @@ difference measured against its reference in the same run, on the same machine.
    same load, each against its budget.
 
     .venv/bin/python benchmarks/bench_perf.py [--quick] [--json]     # -> results/perf.json
+                                                   # (--quick: results/perf-quick.json)
 """
 
 from __future__ import annotations
@@ -324,7 +325,8 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.quick)
     RESULTS.mkdir(exist_ok=True)
-    scenario.write_json(RESULTS / "perf.json", result)
+    # (A quick run is a smoke test: it never overwrites the figures the README publishes.)
+    scenario.write_json(RESULTS / ("perf-quick.json" if args.quick else "perf.json"), result)
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -35,6 +35,7 @@ cost, counting its calls: ``carpool.bench.upstream``). Four ways to run the work
   time from the release to the last answer.
 
     .venv/bin/python benchmarks/bench_workers.py [--quick] [--json]   # -> results/workers.json
+                                                   # (--quick: results/workers-quick.json)
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def main() -> None:
         quick=args.quick,
         duration_s=time.monotonic() - started,
     )
-    scenario.write_json(RESULTS / "workers.json", doc)
+    scenario.write_json(RESULTS / ("workers-quick.json" if args.quick else "workers.json"), doc)
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))
