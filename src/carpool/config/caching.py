@@ -192,7 +192,9 @@ class CoalesceConfig(Section):
         "left, to fill the cache, instead of cancelling it; and a request with an "
         "Idempotency-Key whose client left, its answer kept for a retry. Every shared "
         "call is finished so, a no-store request's too, which fills nothing (a request that "
-        "comes meanwhile may still join it); a sampled or pass-through one is cancelled.",
+        "comes meanwhile may still join it); a sampled or pass-through one is cancelled. "
+        "Stopping, the process waits for such a call within `shutdown.grace_s` even when "
+        "nobody is left to read its answer (without Redis it dies with the process).",
     )
 
     @model_validator(mode="after")
