@@ -501,14 +501,25 @@ def test_quoted_code_that_differs_in_one_punctuation_mark_is_refused():
         assert refused(a, b) == "quoted", (a, b)
 
 
-def test_quoted_a_bracket_or_brace_literal_standing_alone_is_code():
+def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
     # Only a bracket attached to a word or a spaced "=" made code: a literal standing alone was
-    # prose, and a trailing comma (invalid JSON) was served at 0.98.
+    # prose, and a trailing comma (invalid JSON) was served at 0.98; so were the same literal
+    # with a word added around it, a comma's spacing, a list printed by NumPy, an open interval.
     for a, b in (
         ("Is [1, 2, 3,] valid JSON?", "Is [1, 2, 3] valid JSON?"),
         ('Is {"a": 1,} valid JSON?', 'Is {"a": 1} valid JSON?'),
         ("Is the list [1, 2, 3,] valid?", "Is the list [1, 2, 3] valid?"),
         ("Is [1, 2, 3,] a valid list in Python?", "Is [1, 2, 3] a valid list in Python?"),
+        ("Is [1, 2, 3, ] valid JSON?", "Is [1, 2, 3 ] valid JSON?"),
+        ('Is {"a": 1, } valid JSON?', 'Is {"a": 1 } valid JSON?'),
+        ("Is [1, 2, 3,] valid JSON?", "Is [1, 2, 3] a valid JSON?"),
+        ("Is this valid JSON? [1, 2, 3,]", "Is this JSON valid? [1, 2, 3]"),
+        (
+            "Is [1, 2, 3] a Python list or a NumPy array?",
+            "Is [1 2 3] a Python list or a NumPy array?",
+        ),
+        ("Is [1; 2; 3] valid in MATLAB?", "Is [1, 2, 3] valid in MATLAB?"),
+        ("Is the interval [0, 1] compact?", "Is the interval (0, 1) compact?"),
     ):
         assert quoted.RULE.differs(a, b), (a, b)
         assert refused(a, b) == "quoted", (a, b)
@@ -516,6 +527,18 @@ def test_quoted_a_bracket_or_brace_literal_standing_alone_is_code():
         ("What does [1, 2] + [3] give?", "What does [1, 2] + [3] give"),
         ("Explain the notation [a, b] in math.", "Explain the notation [a, b] in math"),
         ("What is a list [in Python]?", "What is a list in Python?"),
+        ("Explain [a, b] intervals", "Explain [a,b] intervals"),
+        ("Is [1, 2, 3] a list?", "Is [1,2,3] a list?"),
+        ("What are {name: value} pairs?", "What are {name:value} pairs?"),
+        ("Mean of uniform on [0, 1]?", "Mean of uniform on [0,1]?"),
+        ("In the range [0, 1], what is the mean?", "In the range [0, 1] what is the mean?"),
+        ("Explain [a, b] intervals: open or closed?", "Explain [a, b] intervals - open or closed?"),
+        (
+            "Note: for the interval [0, 1], is it compact?",
+            "Note - for the interval [0, 1], is it compact?",
+        ),
+        ("Are fruits (e.g., apples, pears) healthy?", "Are fruits (e.g. apples, pears) healthy?"),
+        ("What does [citation needed] mean?", "What does [citation needed] mean"),
     ):
         assert passes(quoted.RULE, a, b), (a, b)
 
@@ -790,6 +813,28 @@ def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_ques
         ),
     ):
         assert order.RULE.differs(a, b), (a, b)
+        assert refused(a, b) == "order", (a, b)
+
+
+def test_order_refuses_a_role_said_twice_exchanged_everywhere_and_hers_read_as_a_possessive():
+    # Exchanged at its first place only (a review of the clause reading), a role said twice
+    # was served ("...after the landlord evicted me"); "her" before a noun was read as "she".
+    for a, b in (
+        (
+            "The landlord sued me after the landlord evicted me.",
+            "I sued the landlord after I evicted the landlord.",
+        ),
+        (
+            "Can the landlord evict me if the landlord owes me money?",
+            "Can I evict the landlord if I owe the landlord money?",
+        ),
+        (
+            "The landlord sued me after the landlord evicted me, what now?",
+            "I sued the landlord after I evicted the landlord, what now?",
+        ),
+        ("She fired her boss, what should she do?", "Her boss fired her, what should she do?"),
+    ):
+        assert order.RULE.differs(a, b) or order.RULE.differs(b, a), (a, b)
         assert refused(a, b) == "order", (a, b)
 
 

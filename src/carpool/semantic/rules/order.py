@@ -33,8 +33,9 @@ pronouns, both on each side, exchanged wherever they stand do ("She asked him to
 "He asked her to marry him"). Measured on the development pairs, it refused no true rewording.
 
 A prompt often names a role again in its question ("...sponsoring the wife, what visa does the
-wife need?"), so a word said more than once, as often on each side, may be exchanged too (its
-first place), and each clause (split at ``,;:!?`` and a sentence's dot) is also compared with the
+wife need?"), so a word said more than once, as often on each side, may be exchanged too (at
+its first place, or everywhere: "The landlord sued me after the landlord evicted me"), and
+each clause (split at ``,;:!?`` and a sentence's dot) is also compared with the
 other side's clause in its place, when both sides have as many. "an" is read as "a" (the article
 follows the exchange: "an uncle adopted a nephew"). A capital letter after a word is a name
 ("Team A", "node B"), not the article. And two words exchanged wherever they stand, making one
@@ -128,11 +129,16 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
             j = place_a[y]
             if abs(place_b[x] - j) > SLACK or _joined(a[i + 1 : j]):
                 continue  # x lands too far, or "X and Y" / "Y and X": the same pair either way
-            exchanged = list(a)  # at their first places: a word said again is no role
-            exchanged[i], exchanged[j] = y, x
-            after = _mismatches(tuple(exchanged), b, SLACK)
-            if after <= SLACK and after <= before - 2:
-                return True
+            # Everywhere ("the landlord sued me after the landlord evicted me": the role said
+            # twice) or at their first places only ("...suing me, what should I do?": a word
+            # said again in another clause is no role).
+            first = list(a)
+            first[i], first[j] = y, x
+            everywhere = tuple(y if w == x else x if w == y else w for w in a)
+            for exchanged in (everywhere, tuple(first)):
+                after = _mismatches(exchanged, b, SLACK)
+                if after <= SLACK and after <= before - 2:
+                    return True
     return False
 
 
@@ -155,9 +161,10 @@ def _folded(sentence: str) -> tuple[str, ...]:
     verb's agreement; a plural's too, on both sides alike): "My brother owes me" is "brother owe
     i", "I owe my brother" is "i owe brother"."""
     folded = []
-    for w in lower_words(sentence):
-        if w in _POSSESSIVES:
-            continue
+    words = lower_words(sentence)
+    for k, w in enumerate(words):
+        if w in _POSSESSIVES or (w == "her" and k + 1 < len(words) and words[k + 1] not in STOP):
+            continue  # ("her" before a noun is hers: "She fired her boss" / "Her boss fired her")
         w = _CASES.get(w, w)
         if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
             w = w[:-1]

@@ -20,13 +20,14 @@ request; the answer differs in every word. So:
   server logs say connection refused", "error: KeyError"; to the sentence's end): when both
   sides say such a text, the texts must be the same words in order. "...logs say connection
   refused" / "...connection timed out" differ (the verifier scored them 0.99);
-- code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, a `` = ``, or a
-  bracket or brace literal holding a comma or a colon, ``[1, 2]``, ``{"a": 1}``)
+- code outside backticks (a word with a bracket attached, ``f(x)``, ``a[0]``, or a `` = ``)
   keeps its punctuation: when both sides have code and the same words, every chunk between
   spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
   marks at a chunk's end dropped). "for i in range(10) print(i)" / "for i in range(10):
-  print(i)" and "[1, 2, 3,]" / "[1, 2, 3]" differ; "print() in Python?" / "print() in Python"
-  do not.
+  print(i)" differ; "print() in Python?" / "print() in Python" do not;
+- a list or a mapping in brackets or braces (a comma, a colon or a semicolon inside) keeps its
+  marks, whatever the words around it: "[1, 2, 3,]" / "[1, 2, 3]", "[1, 2, 3]" / "[1 2 3]",
+  "[a, b]" / "(a, b)" differ (spacing aside: "[0, 1]" / "[0,1]" do not).
 """
 
 from __future__ import annotations
@@ -202,11 +203,12 @@ def _says(text: str) -> tuple[tuple[str, ...], ...]:
     return tuple(w for w in said if w)
 
 
-#: Code outside backticks: a bracket or parenthesis attached to a word, a spaced "=", or a
-#: bracket or brace literal holding a comma or a colon ("[1, 2, 3,]", '{"a": 1}').
+#: Code outside backticks: a bracket or parenthesis attached to a word, or a spaced "=".
 _CODE = re.compile(r"\w[(\[]|\s=\s")
-#: (No bracket inside, so each try stops at the next one: linear.)
-_LITERAL = re.compile(r"[\[{][^\[\]{}]*[\]}]")
+#: A group in brackets, braces or parentheses, none inside (so each try stops at the next
+#: one: linear).
+_GROUP = re.compile(r"[\[{(][^\[\]{}()]*[\]})]")
+_SEPARATORS = frozenset(",:;")
 _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 
 
@@ -214,12 +216,36 @@ _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 def _code_chunks(text: str) -> Counter[str] | None:
     """The chunks of code that hold its punctuation, or None when ``text`` has no code."""
     text = norm(text)
-    if not _CODE.search(text) and not any(
-        "," in m.group() or ":" in m.group() for m in _LITERAL.finditer(text)
-    ):
+    if not _CODE.search(text):
         return None
     chunks = (c.rstrip("?!.") for c in text.split())
     return Counter(c for c in chunks if _CODE_MARK.search(c))
+
+
+@memo
+def _groups(text: str) -> dict[tuple[str, ...], set[str]]:
+    """Each group's words, and how it writes them (its marks, without spaces): "[1, 2, 3,]" is
+    (1, 2, 3) written "[1,2,3,]"."""
+    groups: dict[tuple[str, ...], set[str]] = {}
+    for m in _GROUP.finditer(norm(text)):
+        groups.setdefault(lower_words(m.group()), set()).add("".join(m.group().split()))
+    return groups
+
+
+def _regrouped(a: str, b: str) -> bool:
+    """The same words in a group written with other marks, one of them a list or a mapping
+    (a comma, a colon or a semicolon inside) in brackets or braces: "[1, 2, 3,]" / "[1, 2, 3]"
+    (a trailing comma), "[1, 2, 3]" / "[1 2 3]", "[a, b]" / "(a, b)" (a closed interval, an
+    open one). Spacing is no mark ("[0, 1]" / "[0,1]"); two groups in parentheses are prose
+    ("(e.g., x)" / "(e.g. x)")."""
+    ga, gb = _groups(a), _groups(b)
+    for words in ga.keys() & gb.keys():
+        if ga[words] == gb[words]:
+            continue
+        written = ga[words] ^ gb[words]
+        if any(w[0] != "(" for w in written) and any(_SEPARATORS & set(w) for w in written):
+            return True
+    return False
 
 
 @memo
@@ -234,6 +260,8 @@ def differs(a: str, b: str) -> bool:
     ca, cb = _code_chunks(a), _code_chunks(b)
     if ca is not None and cb is not None and ca != cb and lower_words(a) == lower_words(b):
         return True  # the same words, the code's punctuation changed
+    if _regrouped(a, b):
+        return True
     sa, sb = _says(a), _says(b)
     if sa and sb and sa != sb:
         return True  # another error message: the verifier scored "refused" / "timed out" 0.99
