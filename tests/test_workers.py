@@ -808,3 +808,83 @@ async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("retire", ["SIGHUP", "SIGTTOU"])
+async def test_a_stop_while_a_restart_waits_for_a_retired_worker_is_handled_at_once(
+    fake, tmp_path, stop, retire
+):
+    """A SIGHUP's restart stops each old worker once its replacement serves, and a SIGTTOU
+    one worker, and each waited for it to end (its requests' grace period; SIGTTOU without
+    limit): a stop meanwhile was handled only after that, the other workers serving on for up
+    to `shutdown.grace_s`. Now the stop ends the wait: the run stops at once, the retired
+    worker still let finish its request (status 0)."""
+    import asyncio
+    import os
+    import signal
+
+    from fakes.waiting import eventually
+
+    port = free_port()
+    log = tmp_path / "workers.log"
+    settings = {"log_level": "info", "shutdown": {"drain_s": 0, "grace_s": 120}}
+    proc = start_serve(
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
+        serve_env(settings),
+        log,
+        own_group=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        fake.gate = asyncio.Event()  # each upstream call waits for it
+        client = httpx.AsyncClient(base_url=base, timeout=120)
+        requests: list[asyncio.Task[httpx.Response]] = []
+
+        async def leading() -> set[int]:
+            """The workers leading a flight (each key is led by one of them)."""
+            pids = set()
+            for _ in range(40):  # a new connection each: the kernel spreads them over both
+                async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+                    stats = (await probe.get("/stats")).json()
+                if stats["flights"]:
+                    pids.add(stats["pid"])
+            return pids
+
+        # Calls in progress led by both workers, so that whichever the restart retires first
+        # holds one.
+        while len(await leading()) < 2:
+            body = {
+                "model": "m",
+                "temperature": 0,
+                "messages": [{"role": "user", "content": f"{QUESTION} {len(requests)}"}],
+            }
+            requests.append(asyncio.create_task(client.post("/v1/chat/completions", json=body)))
+            await eventually(lambda: len(fake.calls) == len(requests), what="the call made")
+        os.kill(proc.pid, getattr(signal, retire))
+        await eventually(
+            lambda: "Terminated child process" in log.read_text() or proc.poll() is not None,
+            what="an old worker retired, waited for as it finishes its call",
+            state=lambda: log.read_text()[-3000:],
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.terminate()
+        name = "SIGINT" if stop == "ctrl-c" else "SIGTERM"
+        await eventually(
+            lambda: f"Received {name}, exiting" in log.read_text() or proc.poll() is not None,
+            what="the stop handled while the retired worker finishes",
+        )
+        assert not any(request.done() for request in requests)
+        fake.gate.set()
+        answers = await asyncio.gather(*requests)
+        assert {answer.status_code for answer in answers} == {200}, [a.text for a in answers]
+        assert await asyncio.to_thread(proc.wait, 60) == 0, log.read_text()[-3000:]
+        await client.aclose()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1077,7 +1077,9 @@ def _sigint_left_to_the_supervisor() -> None:
         return  # (signals are handled on the main thread only)
 
     def said(signum: int, frame: FrameType | None) -> None:
-        log.info("SIGINT left to the supervisor: it stops this worker")
+        log.info(
+            "SIGINT left to the supervisor, which stops its workers (to this worker alone: nothing)"
+        )
 
     signal.signal(signal.SIGINT, said)
 

@@ -23,8 +23,8 @@ uvicorn's restart looked at that flag only, which the signal sets once handled, 
 restart: a stop during it waited for it.
 
 A stop waits for each worker to end for the grace period and ``STOP_MARGIN_S`` at most, then
-kills it, and so does a SIGHUP's restart for each old worker it stops: uvicorn waited without
-limit, and a worker whose event loop was stuck hung the run (in a restart, the supervisor: no
+kills it, and so does a SIGHUP's restart (or a SIGTTOU) for each old worker it stops, until a
+stop comes, which then waits for it with the others: uvicorn waited without limit, and a worker whose event loop was stuck hung the run (in a restart, the supervisor: no
 health checks, no worker replaced, no signal read).
 """
 
@@ -62,6 +62,9 @@ class Supervisor(Multiprocess):
         super().__init__(*args, **kwargs)
         # Each worker's ping not answered yet, and when its wait ends (``_answers``).
         self._pinged: dict[Process, float] = {}
+        # Old workers a restart (or SIGTTOU) stopped and left when a stop came: the stop
+        # waits for them too (``join_all``).
+        self._retiring: list[Process] = []
 
     def keep_subprocess_alive(self) -> None:
         # uvicorn's round of health checks, each worker asked through ``_answers``: set on each
@@ -77,8 +80,15 @@ class Supervisor(Multiprocess):
         # never ends its graceful shutdown, and the run hung for ever (a second signal read by
         # nothing). Each gets the grace period and a margin, then is killed.
         deadline = self._stop_deadline()
-        for worker in self.processes:
+        for worker in [*self.processes, *self._retiring]:
             self._join_by(worker, deadline)
+
+    def handle_ttou(self) -> None:
+        # uvicorn's, the worker it stops waited for as a restart's old one is (it joined it
+        # without limit, no signal read meanwhile).
+        for worker in self.processes:
+            worker.join = functools.partial(self._retired, worker)  # type: ignore[method-assign]
+        super().handle_ttou()
 
     def restart_all(self) -> None:
         # uvicorn's restart reads ``should_exit``, which a stop queued meanwhile has not set yet.
@@ -93,8 +103,17 @@ class Supervisor(Multiprocess):
             self.should_exit = run_exit
 
     def _retired(self, worker: Process) -> None:
-        """Wait for an old worker a restart has just stopped, as a stop waits for each."""
-        self._join_by(worker, self._stop_deadline())
+        """Wait for an old worker a restart has just stopped, as a stop waits for each, or
+        until a stop comes: then the stop waits for it (its requests finishing meanwhile; a
+        Ctrl-C reaches the workers only through the supervisor, ``server``'s
+        ``_sigint_left_to_the_supervisor``)."""
+        deadline = self._stop_deadline()
+        while worker.process.is_alive() and (deadline is None or time.monotonic() < deadline):
+            if self._stopping():
+                self._retiring.append(worker)
+                return
+            worker.process.join(GLANCE_S)
+        self._join_by(worker, deadline)
 
     def _stop_deadline(self) -> float | None:
         """When workers stopped now are killed if still running: none without a grace period."""
