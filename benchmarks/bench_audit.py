@@ -138,8 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.quick, args.verifier_threshold)
     RESULTS.mkdir(exist_ok=True)
-    plot(result, RESULTS / "audit.png")
-    scenario.write_json(RESULTS / "audit.json", result)
+    name = "audit-quick" if args.quick else "audit"  # (a quick run keeps the published ones)
+    plot(result, RESULTS / f"{name}.png")
+    scenario.write_json(RESULTS / f"{name}.json", result)
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "series"}, indent=2))

@@ -489,8 +489,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller samples")
     parser.add_argument("--json", action="store_true", help="also print the full result")
-    parser.add_argument("--out", type=Path, default=RESULTS / "peers.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="[results/peers.json; --quick: peers-quick.json]"
+    )
     args = parser.parse_args()
+    if args.out is None:  # (a quick run keeps the published figures)
+        args.out = RESULTS / ("peers-quick.json" if args.quick else "peers.json")
     started, git = time.monotonic(), git_state()
     result = run(args.quick)
     doc = document(result, args.quick, started, git)

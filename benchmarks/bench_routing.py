@@ -12,6 +12,7 @@ load. Reported from the replicas' own counters (``/sim/stats``): the prefix-cach
 Batching has its own benchmark: ``bench_batching.py``.
 
     python benchmarks/bench_routing.py [--quick] [--json]      # also writes routing.png
+                                                   # (--quick: routing-quick.png)
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             rr["mean_ttft_ms"] / ca["mean_ttft_ms"], 2
         ),
     }
-    plot(result, RESULTS / "routing.png")
+    plot(result, RESULTS / ("routing-quick.png" if quick else "routing.png"))
     return result
 
 

@@ -589,12 +589,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
     parser.add_argument("--json", action="store_true", help="also print the full result")
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="[results/soak.json; --quick: soak-quick.json]"
+    )
     parser.add_argument("--loadgen", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.loadgen:  # the load generator's own process
         sys.stdout.write(json.dumps(scenario.run_async(_load(json.loads(args.loadgen)))))
         return
+    if args.out is None:  # (a quick run keeps the published figures)
+        args.out = RESULTS / ("soak-quick.json" if args.quick else "soak.json")
     started = time.monotonic()
     result = run(args.quick, args.requests, args.concurrency)
     scenario.write_json(args.out, document(result, args.quick, time.monotonic() - started))

@@ -1,7 +1,8 @@
-"""Run every core benchmark in one go and write ``benchmarks/results/core.json``.
+"""Run every core benchmark in one go and write ``benchmarks/results/core.json`` (with ``--all``;
+``core-partial.json`` without it, ``*-quick.json`` with ``--quick``: never the published figures).
 
     .venv/bin/python benchmarks/run.py            # full run (a few minutes at most)
-    .venv/bin/python benchmarks/run.py --quick    # smaller samples (well under a minute)
+    .venv/bin/python benchmarks/run.py --quick    # smaller samples (about a minute)
     .venv/bin/python benchmarks/run.py --all      # also the side-by-side with LiteLLM, GPTCache
 
 See benchmarks/README.md for what each figure means.
@@ -121,7 +122,7 @@ def ok_of(name: str, result: dict[str, Any]) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller samples, under a minute")
+    parser.add_argument("--quick", action="store_true", help="smaller samples, about a minute")
     parser.add_argument(
         "--only",
         choices=sorted(BENCHMARKS),
@@ -135,11 +136,13 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="[results/core.json; with --only: results/<names>.json]",
+        help="[results/core.json with --all; results/core-partial.json without; with --only: "
+        "results/<names>.json; -quick in the name with --quick]",
     )
     args = parser.parse_args()
-    if args.out is None:  # a partial run never overwrites the full run's figures
-        args.out = RESULTS / ("-".join(args.only) + ".json" if args.only else "core.json")
+    if args.out is None:  # a partial or quick run never overwrites the full run's figures
+        name = "-".join(args.only) if args.only else "core" if args.all else "core-partial"
+        args.out = RESULTS / (name + ("-quick" if args.quick else "") + ".json")
 
     started = time.monotonic()
     results: dict[str, Any] = {}

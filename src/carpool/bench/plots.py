@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 OutcomeOf = Callable[[Result], str]
 
 MISSING = (
-    f"Plots need matplotlib, which is not installed: `{install_hint('bench')}`, then "
+    f"Plots need matplotlib, which is not installed: {install_hint('bench')}, then "
     "run the benchmark again."
 )
 COLORS = {

@@ -68,7 +68,7 @@ class Config(Section):
         None,
         json_schema_extra={"secret": True},  # (an empty variable is refused: carpool.config.loader)
         description="The token that enables /admin/* and guards /stats, /metrics and /dashboard: "
-        "`Authorization: Bearer <token>` (the scheme in any case), or the password of Basic. "
+        "`Authorization: Bearer <token>` (the scheme in any case), or, for /stats, /metrics and /dashboard (a browser asks for it), the password of Basic. "
         "Printable, without white space around it (a header value cannot carry that). An empty "
         "one, `''` in the file or `CARPOOL_ADMIN_TOKEN=`, is refused (a secret that was not "
         "mounted): give one, or null for none. null: /admin/* does not exist and the others are "
