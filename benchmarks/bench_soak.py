@@ -5,7 +5,7 @@
 
 Not part of CI, nor of a plain ``run.py`` (only ``--only soak`` or ``--all`` run it): the full
 soak takes a minute or two on a quiet 2-core machine, more on a busy one. Both commands write
-``benchmarks/results/soak.json``.
+``benchmarks/results/soak.json`` (with ``--quick``: ``soak-quick.json``).
 
 Three processes, as in the other benchmarks: the upstream (the simulated engine,
 ``carpool.bench.upstream``: 1 ms a token, each tenant its own answers, faults injected), the

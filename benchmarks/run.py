@@ -1,7 +1,7 @@
 """Run every core benchmark in one go and write ``benchmarks/results/core.json`` (with ``--all``;
 ``core-partial.json`` without it, ``*-quick.json`` with ``--quick``: never the published figures).
 
-    .venv/bin/python benchmarks/run.py            # full run (a few minutes at most)
+    .venv/bin/python benchmarks/run.py            # the core ones (a few minutes at most)
     .venv/bin/python benchmarks/run.py --quick    # smaller samples (about a minute)
     .venv/bin/python benchmarks/run.py --all      # also the side-by-side with LiteLLM, GPTCache
 
@@ -176,6 +176,10 @@ def main() -> int:
         durations_s=durations,
     )
     scenario.write_json(args.out, document)
+    if "routing" in results:  # its plot beside its figures: routing.png with routing.json only
+        stem = args.out.stem
+        name = f"{stem}.png" if stem.startswith("routing") else f"{stem}-routing.png"
+        bench_routing.plot(results["routing"], args.out.with_name(name))
     print(
         f"carpool benchmarks ({document['mode']}), {document['date']}, {document['machine']}, "
         f"{document['cpu_count']} CPUs, Python {document['python']}, "

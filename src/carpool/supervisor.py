@@ -62,9 +62,9 @@ class Supervisor(Multiprocess):
         super().__init__(*args, **kwargs)
         # Each worker's ping not answered yet, and when its wait ends (``_answers``).
         self._pinged: dict[Process, float] = {}
-        # Old workers a restart (or SIGTTOU) stopped and left when a stop came: the stop
-        # waits for them too (``join_all``).
-        self._retiring: list[Process] = []
+        # Old workers a restart (or SIGTTOU) stopped and left when a stop came, each with
+        # when it is killed: the stop waits for them too (``join_all``).
+        self._retiring: list[tuple[Process, float | None]] = []
 
     def keep_subprocess_alive(self) -> None:
         # uvicorn's round of health checks, each worker asked through ``_answers``: set on each
@@ -80,8 +80,8 @@ class Supervisor(Multiprocess):
         # never ends its graceful shutdown, and the run hung for ever (a second signal read by
         # nothing). Each gets the grace period and a margin, then is killed.
         deadline = self._stop_deadline()
-        for worker in [*self.processes, *self._retiring]:
-            self._join_by(worker, deadline)
+        for worker, by in [*((w, deadline) for w in self.processes), *self._retiring]:
+            self._join_by(worker, by)
 
     def handle_ttou(self) -> None:
         # uvicorn's, the worker it stops waited for as a restart's old one is (it joined it
@@ -110,7 +110,7 @@ class Supervisor(Multiprocess):
         deadline = self._stop_deadline()
         while worker.process.is_alive() and (deadline is None or time.monotonic() < deadline):
             if self._stopping():
-                self._retiring.append(worker)
+                self._retiring.append((worker, deadline))  # (its own deadline kept)
                 return
             worker.process.join(GLANCE_S)
         self._join_by(worker, deadline)

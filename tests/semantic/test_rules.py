@@ -520,6 +520,15 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
         ),
         ("Is [1; 2; 3] valid in MATLAB?", "Is [1, 2, 3] valid in MATLAB?"),
         ("Is the interval [0, 1] compact?", "Is the interval (0, 1) compact?"),
+        # (Groups with none inside alone, a review found: nested lists were served; so were
+        # an interval half-open and a tuple's trailing comma in parentheses.)
+        (
+            "What is the shape of the array [[1, 2], [3, 4]]?",
+            "What is the shape of the array [[1, 2, 3, 4]]?",
+        ),
+        ("Reshape [(1, 2), (3, 4)] in numpy", "Reshape [(1, 2, 3, 4)] in numpy"),
+        ("Is f continuous on (a, b]?", "Is f continuous on (a, b)?"),
+        ("Is (1,) a tuple in Python?", "Is (1) a tuple in Python?"),
     ):
         assert quoted.RULE.differs(a, b), (a, b)
         assert refused(a, b) == "quoted", (a, b)
@@ -539,6 +548,15 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
         ),
         ("Are fruits (e.g., apples, pears) healthy?", "Are fruits (e.g. apples, pears) healthy?"),
         ("What does [citation needed] mean?", "What does [citation needed] mean"),
+        (
+            "Write a poem about autumn [keep it short, about 8 lines]",
+            "Write a poem about autumn (keep it short, about 8 lines)",
+        ),
+        (
+            "Explain recursion [in simple terms, please]",
+            "Explain recursion (in simple terms, please)",
+        ),
+        ("Is [1, 2] a list?", "Is [1, 2] a list, really?"),
     ):
         assert passes(quoted.RULE, a, b), (a, b)
 
@@ -833,6 +851,14 @@ def test_order_refuses_a_role_said_twice_exchanged_everywhere_and_hers_read_as_a
             "I sued the landlord after I evicted the landlord, what now?",
         ),
         ("She fired her boss, what should she do?", "Her boss fired her, what should she do?"),
+        # ("her" then read as a possessive always, a review found: a person before an object,
+        # a particle or an adverb was dropped, and these passed the rule.)
+        ("He owes her money", "She owes him money"),
+        ("He gave her flowers", "She gave him flowers"),
+        ("Should I lend her money?", "Should she lend me money?"),
+        ("My brother owes her money", "She owes my brother money"),
+        ("Should he ask her out?", "Should she ask him out?"),
+        ("I hired her yesterday", "She hired me yesterday"),
     ):
         assert order.RULE.differs(a, b) or order.RULE.differs(b, a), (a, b)
         assert refused(a, b) == "order", (a, b)

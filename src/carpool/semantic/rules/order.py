@@ -156,15 +156,18 @@ _SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
 _CLAUSE = re.compile(r"(?<![.?!;,:])[.?!;,:]++(?:\s|$)|\s[-\u2013\u2014]+\s")
 
 
-def _folded(sentence: str) -> tuple[str, ...]:
+def _folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
     """The words of ``sentence`` with pronouns in one case, no possessive, a final -s dropped (a
     verb's agreement; a plural's too, on both sides alike): "My brother owes me" is "brother owe
-    i", "I owe my brother" is "i owe brother"."""
+    i", "I owe my brother" is "i owe brother". With ``hers``, "her" before a word that is no
+    stop word is a possessive ("She fired her boss"), else a person ("He owes her money")."""
     folded = []
     words = lower_words(sentence)
     for k, w in enumerate(words):
-        if w in _POSSESSIVES or (w == "her" and k + 1 < len(words) and words[k + 1] not in STOP):
-            continue  # ("her" before a noun is hers: "She fired her boss" / "Her boss fired her")
+        if w in _POSSESSIVES or (
+            hers and w == "her" and k + 1 < len(words) and words[k + 1] not in STOP
+        ):
+            continue
         w = _CASES.get(w, w)
         if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
             w = w[:-1]
@@ -182,11 +185,16 @@ def _roles(a: str, b: str) -> bool:
         if len(sa) != len(sb):
             continue
         for x, y in zip(sa, sb, strict=True):
-            fx, fy = _folded(x), _folded(y)
-            if fx != fy and (
-                _swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)
-            ):
-                return True
+            # "her" read both ways, each side: "She fired her boss" / "Her boss fired her",
+            # "He owes her money" / "She owes him money".
+            for hers_x, hers_y in ((False, False), (True, True), (True, False), (False, True)):
+                fx, fy = _folded(x, hers_x), _folded(y, hers_y)
+                if fx != fy and (
+                    _swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)
+                ):
+                    return True
+                if "her" not in x.lower() and "her" not in y.lower():
+                    break  # (no "her": one reading)
     return False
 
 

@@ -25,9 +25,8 @@ request; the answer differs in every word. So:
   spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
   marks at a chunk's end dropped). "for i in range(10) print(i)" / "for i in range(10):
   print(i)" differ; "print() in Python?" / "print() in Python" do not;
-- a list or a mapping in brackets or braces (a comma, a colon or a semicolon inside) keeps its
-  marks, whatever the words around it: "[1, 2, 3,]" / "[1, 2, 3]", "[1, 2, 3]" / "[1 2 3]",
-  "[a, b]" / "(a, b)" differ (spacing aside: "[0, 1]" / "[0,1]" do not).
+- a list or a mapping in brackets or braces keeps its marks, whatever the words around it
+  (:mod:`.brackets`): "[1, 2, 3,]" / "[1, 2, 3]" differ, "[0, 1]" / "[0,1]" do not.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
+from .brackets import regrouped
 from .text import lower_words, memo, norm
 
 _QUOTED = re.compile(
@@ -205,10 +205,6 @@ def _says(text: str) -> tuple[tuple[str, ...], ...]:
 
 #: Code outside backticks: a bracket or parenthesis attached to a word, or a spaced "=".
 _CODE = re.compile(r"\w[(\[]|\s=\s")
-#: A group in brackets, braces or parentheses, none inside (so each try stops at the next
-#: one: linear).
-_GROUP = re.compile(r"[\[{(][^\[\]{}()]*[\]})]")
-_SEPARATORS = frozenset(",:;")
 _CODE_MARK = re.compile(r"[()\[\]{}=;:]")
 
 
@@ -223,32 +219,6 @@ def _code_chunks(text: str) -> Counter[str] | None:
 
 
 @memo
-def _groups(text: str) -> dict[tuple[str, ...], set[str]]:
-    """Each group's words, and how it writes them (its marks, without spaces): "[1, 2, 3,]" is
-    (1, 2, 3) written "[1,2,3,]"."""
-    groups: dict[tuple[str, ...], set[str]] = {}
-    for m in _GROUP.finditer(norm(text)):
-        groups.setdefault(lower_words(m.group()), set()).add("".join(m.group().split()))
-    return groups
-
-
-def _regrouped(a: str, b: str) -> bool:
-    """The same words in a group written with other marks, one of them a list or a mapping
-    (a comma, a colon or a semicolon inside) in brackets or braces: "[1, 2, 3,]" / "[1, 2, 3]"
-    (a trailing comma), "[1, 2, 3]" / "[1 2 3]", "[a, b]" / "(a, b)" (a closed interval, an
-    open one). Spacing is no mark ("[0, 1]" / "[0,1]"); two groups in parentheses are prose
-    ("(e.g., x)" / "(e.g. x)")."""
-    ga, gb = _groups(a), _groups(b)
-    for words in ga.keys() & gb.keys():
-        if ga[words] == gb[words]:
-            continue
-        written = ga[words] ^ gb[words]
-        if any(w[0] != "(" for w in written) and any(_SEPARATORS & set(w) for w in written):
-            return True
-    return False
-
-
-@memo
 def _flat(text: str) -> str:
     return _squash(re.sub(r"[`'\"「」『』《》“”]", " ", norm(text)))
 
@@ -260,7 +230,7 @@ def differs(a: str, b: str) -> bool:
     ca, cb = _code_chunks(a), _code_chunks(b)
     if ca is not None and cb is not None and ca != cb and lower_words(a) == lower_words(b):
         return True  # the same words, the code's punctuation changed
-    if _regrouped(a, b):
+    if regrouped(a, b):
         return True
     sa, sb = _says(a), _says(b)
     if sa and sb and sa != sb:
