@@ -91,6 +91,34 @@ async def test_an_answer_stored_via_one_instance_is_a_hit_on_another(fake, share
 NO_WINDOW = {"window_ms": 0}
 
 
+async def test_a_key_the_upstream_refused_on_one_instance_reads_no_shared_namespace_on_another(
+    fake, shared_redis
+):
+    """A 401 or 403 takes back every acceptance of the refused key, but only on the instance
+    that saw it: on another, the key accepted there before read the shared namespaces on (other
+    tenants' answers, made after the refusal too) until `tenant.accepted_ttl`, every request a
+    hit, so no call there was refused. The refusal reaches every instance now (the invalidation
+    channel), and one whose subscription was cut forgets every acceptance."""
+    from fakes.waiting import eventually
+
+    fake.valid_keys = {"sk-a", "sk-r"}
+    shared = {"tenant": {"shared_namespaces": ["pub"]}, "coalesce": NO_WINDOW}
+    revoked = {"Authorization": "Bearer sk-r", "x-carpool-namespace": "pub"}
+    owner = {"Authorization": "Bearer sk-a", "x-carpool-namespace": "pub"}
+    async with fleet(fake, shared_redis, shared, shared) as (a, b):
+        assert (await b.chat("hi", headers=revoked)).status_code == 200  # accepted on B
+        await eventually(lambda: b.gateway.invalidations.listening, what="B subscribed")
+        fake.valid_keys = {"sk-a"}  # revoked upstream
+        assert (await a.chat("hello", headers=revoked)).status_code == 401  # seen on A
+        assert (await a.chat(QUESTION, headers=owner)).headers["x-carpool"] == "miss"
+        await eventually(
+            lambda: b.gateway.invalidations.counts["refusals_received"] == 1,
+            what="the refusal told to B",
+        )
+        got = await b.chat(QUESTION, headers=revoked)
+        assert got.status_code == 401, (got.status_code, got.headers.get("x-carpool"))
+
+
 async def test_an_answer_made_with_a_held_key_is_not_served_where_the_gateway_holds_none(
     fake, shared_redis
 ):
@@ -548,8 +576,8 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
     fake, killable_redis
 ):
     """carpool/redis/invalidation.py: each instance's subscriber reconnects by itself; subscribed
-    again, it forgets what lingered meanwhile (pub/sub replays nothing: an invalidation may have
-    been missed), then delivers as before. The window is long: only invalidations end it."""
+    again, it forgets what lingered meanwhile and every key accepted (pub/sub replays nothing: an
+    invalidation or a refusal may have been missed), then delivers as before. The window is long: only invalidations end it."""
     admin = {"Authorization": "Bearer t"}
     async with two_gateways(
         fake, killable_redis, coalesce={"window_ms": 60_000, "max_window_ms": 60_000}
@@ -564,6 +592,7 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         # Redis down: A answers alone, and the answer lingers in A's own window.
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
         assert len(a.gateway.flights) == 1
+        assert len(a.gateway.accepted) == 1  # (its client's key, answered)
         # An invalidation on B while Redis is down is done in B only: a 503 (the answers in
         # Redis were not dropped, and may be there again once it answers), never sent.
         response = await b.client.post("/admin/invalidate", json={"all": True}, headers=admin)
@@ -578,6 +607,7 @@ async def test_the_invalidation_subscriber_survives_redis_restarting_and_deliver
         )
         assert ia.counts["resubscribed"] >= 1 and ia.counts["forgotten"] >= 1
         assert len(a.gateway.flights) == 0  # the missed invalidation cost nothing
+        assert len(a.gateway.accepted) == 0  # (nor a refusal missed meanwhile)
         assert (await a.chat("while down")).headers["x-carpool"] == "miss"
 
         # Delivering again: an answer lingering on A, invalidated on B.

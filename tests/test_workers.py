@@ -768,6 +768,14 @@ async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
             await until_serving(probe, proc, log)
+        # (Both, each handling SIGINT its way: one still starting dies of it.)
+        await eventually(
+            lambda: (
+                log.read_text().count("Application startup complete") == 2
+                or proc.poll() is not None
+            ),
+            what="both workers serving",
+        )
         fake.gate = asyncio.Event()  # each upstream call waits for it
         clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(4)]
         requests = [

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Container, Hashable, Iterable, Mapping
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping
 from urllib.parse import parse_qsl
 
 from .clock import SYSTEM_CLOCK, Clock
@@ -178,6 +178,9 @@ class AcceptedCredentials:
         self._refusals = 0
         self._refused: dict[str, int] = {}
         self._floor = 0
+        # Told of each refusal seen here (the Redis invalidation channel's ``tell_refused``):
+        # another instance would accept the key on until ``ttl``.
+        self.on_refused: Callable[[str], object] | None = None
 
     def __len__(self) -> int:
         return len(self._last)
@@ -202,7 +205,22 @@ class AcceptedCredentials:
 
     def refuse(self, tenant: str) -> None:
         """The upstream refused the tenant's credential (401, 403): it is accepted for nothing,
-        nor by a call sent before now (``accept``)."""
+        nor by a call sent before now (``accept``), here and on every other instance told
+        (``on_refused``)."""
+        self.refused_elsewhere(tenant)
+        if self.on_refused is not None:
+            self.on_refused(tenant)
+
+    def refused_elsewhere(self, tenant: str | None) -> None:
+        """Another instance saw ``tenant`` refused: as ``refuse``, told to nobody; None: a
+        refusal may have been missed (the channel was cut), every tenant is accepted anew."""
+        if tenant is None:
+            for pair in list(self._last):
+                self._forget(pair)
+            self._refusals += 1
+            self._refused.clear()
+            self._floor = self._refusals
+            return
         for grant in list(self._grants.get(tenant, ())):
             self._forget((tenant, grant))
         self._refusals += 1

@@ -220,6 +220,9 @@ class Gateway:
         layers.states.evicted = self._forget_held
         if self.invalidations is not None:
             self.invalidations.on_state = self.forget_state
+            # A key refused here is refused on every instance (each accepts by itself).
+            self.invalidations.on_refusal = self.accepted.refused_elsewhere
+            self.accepted.on_refused = self.invalidations.tell_refused
 
     @property
     def tracer(self) -> Tracer:

@@ -24,6 +24,12 @@ Contract:
   which drops what that instance stored under it, by key: no flight forgotten, no scan), counted
   in ``states_received``; nothing else. Sent and failing as ``publish`` (an instance that missed
   it keeps what it stored under the tag until its TTL; its other answers are untouched).
+- ``tell_refused(tenant)`` (the upstream refused a tenant's credentials, 401 or 403:
+  ``AcceptedCredentials.refuse``, which is sync, on the request's path): ``PUBLISH P
+  invalidations ID\rTENANT`` in the background (drained by ``aclose``): every OTHER instance
+  hands ``TENANT`` to ``on_refusal`` (``AcceptedCredentials.refused_elsewhere``: its
+  acceptances there taken back too; counted in ``refusals_received``). Resubscribed after a
+  cut, the subscriber hands it None: a refusal may have been missed, every acceptance goes.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
   log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
@@ -48,6 +54,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from ..background import Background
 from .connection import (
     Backoff,
     Health,
@@ -96,6 +103,9 @@ class InvalidationChannel:
         self.forget = forget
         # A deleted response's tag, from another instance (``publish_state``; the gateway's).
         self.on_state: Callable[[str], Awaitable[object]] | None = None
+        # A tenant another instance saw refused (``tell_refused``), None for any (resubscribed).
+        self.on_refusal: Callable[[str | None], object] | None = None
+        self._telling = Background("telling a refusal", log)
         self.socket_timeout = socket_timeout
         self.retry_interval = retry_interval
         self.health = health
@@ -106,6 +116,7 @@ class InvalidationChannel:
                 "unsent",  # not sent: Redis degraded (the others keep at most one window)
                 "received",  # invalidations of other instances applied here
                 "states_received",  # deleted responses of other instances dropped here
+                "refusals_received",  # tenants other instances saw refused, refused here
                 "forgotten",  # finished flights forgotten on their account
                 "dropped_locally",  # answers kept here while degraded, dropped on their account
                 "resubscribed",  # subscriptions made again after a failure (each forgets all)
@@ -132,6 +143,7 @@ class InvalidationChannel:
             self._subscriber = asyncio.get_running_loop().create_task(self._subscribe())
 
     async def aclose(self) -> None:
+        await self._telling.drain(self.socket_timeout)
         self._closed = True
         subscriber, self._subscriber = self._subscriber, None
         await stop_reader(subscriber)
@@ -149,6 +161,12 @@ class InvalidationChannel:
         """Tell every other instance to drop what it stored under ``tag`` (a deleted response's
         ``state_tag``), as ``publish``."""
         return await self._publish(self.instance + tag.encode())
+
+    def tell_refused(self, tenant: str) -> None:
+        """Tell every other instance, in the background, that the upstream refused ``tenant``'s
+        credentials (as ``publish``)."""
+        if not self._closed:
+            self._telling.spawn(self._publish(self.instance + b"\r" + tenant.encode()))
 
     async def _publish(self, message: bytes) -> int:
         if self.health is not None and not self.health.usable():
@@ -197,11 +215,17 @@ class InvalidationChannel:
                             if subscribed_before:
                                 self.counts["resubscribed"] += 1
                                 self.counts["forgotten"] += self.forget()
+                                if self.on_refusal is not None:
+                                    self.on_refusal(None)  # (a refusal may have been missed)
                             subscribed_before = True
                             if self.health is not None:
                                 self.health.report(None)
                         elif kind != "message" or message.get("data") == self.instance:
                             pass
+                        elif (refused := _refusal_of(message.get("data"))) is not None:
+                            if refused[0] != self.instance and self.on_refusal is not None:
+                                self.on_refusal(refused[1])
+                                self.counts["refusals_received"] += 1
                         elif (state := _state_of(message.get("data"))) is not None:
                             if state[0] != self.instance:
                                 await self._forget_state(state[1])
@@ -244,6 +268,13 @@ def _state_of(data: Any) -> tuple[bytes, str] | None:
     if not isinstance(data, bytes) or data[_ID : _ID + 1] != b"\n":
         return None
     return data[:_ID], data[_ID:].decode("utf-8", "replace")
+
+
+def _refusal_of(data: Any) -> tuple[bytes, str] | None:
+    """A ``tell_refused`` message's (instance, tenant); None for any other."""
+    if not isinstance(data, bytes) or data[_ID : _ID + 1] != b"\r":
+        return None
+    return data[:_ID], data[_ID + 1 :].decode("utf-8", "replace")
 
 
 async def _quietly(closing: Any) -> None:
