@@ -331,6 +331,27 @@ async def test_an_owners_hit_does_not_count_as_the_upstream_accepting_the_reques
         assert len(pair.a.gateway.accepted) == 1  # the owner's own call for this request
 
 
+async def test_a_key_the_upstream_refused_on_one_worker_is_taken_back_on_every_worker(fake):
+    """Each worker accepts credentials by itself: a 401 on one took the key's acceptances back
+    there only, and another worker let it read the shared namespaces on until
+    `tenant.accepted_ttl`. The refusal is passed on to every worker now."""
+    from fakes.waiting import eventually
+
+    fake.valid_keys = {"sk-r"}
+    key = {"authorization": "Bearer sk-r"}
+    async with two_workers(fake.url) as pair:
+        for index, worker in enumerate((pair.a, pair.b)):
+            question = owned_by(worker.gateway, index, headers=key)  # its own call
+            assert (await worker.chat(question, headers=key)).headers["x-carpool"] == "miss"
+        assert len(pair.a.gateway.accepted) == 1 and len(pair.b.gateway.accepted) == 1
+        fake.valid_keys = set()  # revoked upstream
+        refused = owned_by(pair.a.gateway, 0, "Refused here", headers=key)
+        assert (await pair.a.chat(refused, headers=key)).status_code == 401
+        await eventually(
+            lambda: len(pair.b.gateway.accepted) == 0, what="the refusal passed on to B"
+        )
+
+
 async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):
     async with two_workers(fake.url) as pair:
         question = owned_by(pair.a.gateway, 1)
@@ -1183,8 +1204,9 @@ async def test_a_deleted_stored_chat_completion_is_dropped_on_every_worker(fake)
             assert again.status_code == 200 and again.json()["id"] != cid
 
 
-async def test_only_a_worker_may_pass_a_deleted_responses_tag_on(fake):
-    """``{"state": tag}`` (a worker's DELETE passed on) comes through the peers' door only: on
+async def test_only_a_worker_may_pass_a_deleted_responses_tag_or_a_refusal_on(fake):
+    """``{"state": tag}`` (a worker's DELETE passed on) and ``{"refused": tenant}`` come
+    through the peers' door only: on
     the public port, even with the admin token, it is no selector."""
     async with two_workers(fake.url, admin_token="t") as pair:
         response = await pair.a.client.post(
@@ -1197,6 +1219,13 @@ async def test_only_a_worker_may_pass_a_deleted_responses_tag_on(fake):
             "/admin/invalidate", json={"state": state_tag("anonymous", "resp_1")}
         )
         assert unauthorized.status_code == 401
+        # Nor a refusal passed on ({"refused": tenant}): no client takes another's key back.
+        refused = await pair.a.client.post(
+            "/admin/invalidate",
+            json={"refused": "anonymous"},
+            headers={"Authorization": "Bearer t"},
+        )
+        assert refused.status_code == 400
 
 
 async def test_a_scrape_on_any_worker_counts_the_whole_run_once(fake):

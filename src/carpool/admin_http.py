@@ -12,7 +12,9 @@ Contract:
   worker of the run passing it on (through its peers' door, with the run's secret) needs the
   token too. Only such a worker may send ``{"state": tag}`` (a deleted response's, passed on
   by ``Gateway.passthrough``: ``Gateway.forget_state``, what this worker stored under it, by
-  key), with or without a token; from anyone else it is an invalid selector (400).
+  key), with or without a token, or ``{"refused": tenant}`` (a key the upstream refused on
+  that worker: ``AcceptedCredentials.refused_elsewhere``, each worker accepting by itself);
+  from anyone else either is an invalid selector (400).
 - ``POST /admin/semantic/feedback`` ``{"entry": id}`` (the ``x-carpool-entry`` of a semantic hit
   that was wrong): the entry is dropped and counts as a wrong hit in its error budget
   (``auditor.Auditor.feedback``: its tenant's in its namespace): ``{"dropped": true,
@@ -120,6 +122,13 @@ def admin_routes(gateway: Gateway, body_of: BodyOf) -> list[Route]:
             if not isinstance(tag, str) or not tag.startswith("\n"):
                 raise RequestError("a state is a stored response's tag")
             return JSONResponse({"invalidated": await gateway.forget_state(tag)})
+        if peer and isinstance(spec, dict) and set(spec) == {"refused"}:
+            # A key the upstream refused on another worker: refused here too (only a peer).
+            tenant = spec["refused"]
+            if not isinstance(tenant, str):
+                raise RequestError("refused names a tenant")
+            gateway.accepted.refused_elsewhere(tenant)
+            return JSONResponse({"invalidated": 0})
         if peer and (refused := refusal(request)) is not None:
             return refused  # (an invalidation of every layer: the operator's, token and all)
         # Passed on to the other workers, unless a worker passed it on to this one.

@@ -223,6 +223,8 @@ class Gateway:
             # A key refused here is refused on every instance (each accepts by itself).
             self.invalidations.on_refusal = self.accepted.refused_elsewhere
             self.accepted.on_refused = self.invalidations.tell_refused
+        elif self.peers is not None:  # (the workers of one run, without Redis: alike)
+            self.accepted.on_refused = self.peers.tell_refused
 
     @property
     def tracer(self) -> Tracer:

@@ -56,7 +56,10 @@ Contract:
   admin call's 503 with ``Retry-After``, once the others have. A spare socket refusing connections ``STALE_SPARE_S``
   after it was made is a killed worker's file: removed, and never tried again. ``forget_state(tag)``: likewise, ``{"state": tag}`` (a
   deleted response's, ``Gateway.forget_state``: what each stored under it, by key), which only
-  a peer may send (the door's secret) and no admin token opens. ``admin(route, spec)``: likewise
+  a peer may send (the door's secret) and no admin token opens. ``tell_refused(tenant)``: in
+  the background (drained by ``aclose``), ``{"refused": tenant}`` to every other worker (a key
+  the upstream refused here: ``AcceptedCredentials.refuse``), which only a peer may send
+  either. ``admin(route, spec)``: likewise
   any other ``POST /admin/...`` (the semantic audits' reset and reports: ``admin_http``), each
   answer's status and JSON object.
 - ``metrics()``, ``stats()``: every other worker's own ``/metrics`` text or ``/stats``
@@ -100,7 +103,7 @@ import orjson
 from yarl import URL
 
 from ..apis import BY_PATH, Api
-from ..background import stop_reader
+from ..background import Background, stop_reader
 from ..errors import (
     RETRY_HEADERS,
     FlightAbandoned,
@@ -210,6 +213,7 @@ class Peers:
         self._keepalive_s = limits.client_keepalive
         self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
         self._sessions: dict[tuple[Path, str], aiohttp.ClientSession] = {}
+        self._telling = Background("telling the workers of a refusal", log)
         self._server = PeerServer()
         self._door: PeerApp | None = None
         # Without a slot: the spare socket it listens on, and its tries for a slot.
@@ -358,6 +362,15 @@ class Peers:
             *(self._invalidate_on(path, {"state": tag}) for path in await self._others())
         )
         return sum(count or 0 for count in dropped)  # (one that did not take it: logged)
+
+    def tell_refused(self, tenant: str) -> None:
+        """Every other worker takes back its acceptances of ``tenant`` (the upstream refused
+        its credentials here: each worker accepts by itself), in the background."""
+        self._telling.spawn(self._tell_refused(tenant))
+
+    async def _tell_refused(self, tenant: str) -> None:
+        others = await self._others()
+        await asyncio.gather(*(self._invalidate_on(path, {"refused": tenant}) for path in others))
 
     async def _others(self) -> list[Path]:
         """The sockets of every other worker of the run: the slots', and the spare ones (the
@@ -647,6 +660,7 @@ class Peers:
         }
 
     async def aclose(self) -> None:
+        await self._telling.drain(self._grace_s)
         claiming, self._claiming = self._claiming, None
         # (Its cancellation awaited, this one's own not swallowed: a suppressed CancelledError
         # took the caller's with it.)
