@@ -350,6 +350,16 @@ def test_case_edge_punctuation_and_spacing_are_retyping(guard, a, b):
             "user: The pharmacy shuts at 6 pm on the high street.",
             False,
         ),
+        (
+            "user: My old laptop fit in this bag last year, I think.",
+            "user: My old laptop fits in this bag last year, I think.",
+            False,
+        ),
+        (
+            "user: Our team beat the league leaders away this week.",
+            "user: Our team beats the league leaders away this week.",
+            False,
+        ),
         # Emphasis: a present "do" added is no other time.
         (
             "user: I do need some help with my electricity bill.",

@@ -529,6 +529,7 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
         ("Reshape [(1, 2), (3, 4)] in numpy", "Reshape [(1, 2, 3, 4)] in numpy"),
         ("Is f continuous on (a, b]?", "Is f continuous on (a, b)?"),
         ("Is (1,) a tuple in Python?", "Is (1) a tuple in Python?"),
+        ("What is the first element of ((1, 2), 3)?", "What is the first element of (1, (2, 3))?"),
     ):
         assert quoted.RULE.differs(a, b), (a, b)
         assert refused(a, b) == "quoted", (a, b)

@@ -133,6 +133,11 @@ def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
             "I am wondering if you could explain how compound interest works.",
         ),
         ("I was hoping you could recommend a book.", "I am hoping you could recommend a book."),
+        # ("just" between them read the polite past as a tense: refused.)
+        (
+            "I was just wondering how to reset my router?",
+            "I'm just wondering how to reset my router?",
+        ),
         ("Did the Beatles ever play in Japan?", "Have the Beatles ever played in Japan?"),
         ("Does coffee dehydrate you?", "Will coffee dehydrate you?"),
         ("Is a will required in Texas?", "In Texas, what do I legally need to write a will?"),

@@ -203,7 +203,8 @@ _FORMS = ("s", "es", "ed", "d", "ing")
 _PAST_FORMS = ("ed", "d")
 #: Verbs whose past is their base: "shut" / "shuts" is "shut" (then) / "shuts" (now).
 _SAME_PAST = frozenset(
-    "shut put cut hit let set cost hurt quit read spread bet burst cast split shed upset".split()
+    """shut put cut hit let set cost hurt quit read spread bet burst cast split shed upset fit
+    beat forecast broadcast thrust slit rid wet""".split()
 )
 
 

@@ -62,7 +62,7 @@ def regrouped(a: str, b: str) -> bool:
     (a trailing comma), "[1, 2, 3]" / "[1 2 3]", "[a, b]" / "(a, b)" (a closed interval, an
     open one), "[[1, 2], [3, 4]]" / "[[1, 2, 3, 4]]". Spacing is no mark ("[0, 1]" / "[0,1]");
     groups in parentheses are prose ("(e.g., x)" / "(e.g. x)") but for a trailing comma ("(1,)"
-    / "(1)"), and so is a group with an item of more than two words whose brackets alone
+    / "(1)") or groups inside ("((1, 2), 3)" / "(1, (2, 3))"), and so is a group with an item of more than two words whose brackets alone
     change ("[keep it short, about 8 lines]" / "(keep it short, ...)")."""
     ga, gb = _groups(a), _groups(b)
     for words in ga.keys() & gb.keys():
@@ -70,8 +70,11 @@ def regrouped(a: str, b: str) -> bool:
         written = fa ^ fb
         if not any(_SEPARATORS & set(w) for w in written):
             continue
-        if not any(set("[]{}") & set(w) or w.endswith((",)", ",]", ",}")) for w in written):
-            continue  # parentheses
+        if not any(
+            set("[]{}") & set(w) or w.endswith((",)", ",]", ",}")) or w.count("(") > 1
+            for w in written
+        ):
+            continue  # parentheses, none inside
         if (prose_a or prose_b) and {w.translate(_ROUND) for w in fa} == {
             w.translate(_ROUND) for w in fb
         }:

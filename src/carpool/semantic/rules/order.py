@@ -193,7 +193,7 @@ def _roles(a: str, b: str) -> bool:
                     _swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)
                 ):
                     return True
-                if "her" not in x.lower() and "her" not in y.lower():
+                if "her" not in lower_words(x) + lower_words(y):
                     break  # (no "her": one reading)
     return False
 

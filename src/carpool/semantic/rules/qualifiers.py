@@ -26,8 +26,8 @@ added alone restricts nothing, and "just" against another class than "only" is o
 ("Is this some fantasy?" / "Is this just fantasy?"). Three ways of saying a tense are read as
 the plain one first: "be going to" is "will" ("Is it going to rain" / "Will it rain"), a
 perfect infinitive is the past ("Who is the first to have walked on the moon" / "Who was the
-first to walk..."), and a polite past is no tense ("I was wondering if..." / "I am wondering
-if..."); contractions are read as their words ("I'm", "didn't"). A settled fact asked in
+first to walk..."), and a polite past is no tense ("I was (just) wondering if..." / "I am
+wondering if..."); contractions are read as their words ("I'm", "didn't"). A settled fact asked in
 another tense otherwise stays refused: no word tells "What were the causes" /
 "What are the causes" from "Was Pluto a planet?" / "Is Pluto a planet?".
 
@@ -90,6 +90,11 @@ def _participle(word: str) -> bool:
     )
 
 
+def _just_polite(words: list[str], i: int) -> bool:
+    """ "just wondering" at ``i``: "I was just wondering" is "I am just wondering"."""
+    return words[i] == "just" and i + 1 < len(words) and words[i + 1] in _POLITE
+
+
 def _tenses(words: list[str]) -> list[str]:
     """``words`` with two ways of saying a tense read as the plain one:
 
@@ -108,7 +113,9 @@ def _tenses(words: list[str]) -> list[str]:
     dropped = {
         i
         for i in range(1, len(out) - 1)
-        if out[i - 1] in ("i", "we") and out[i] in _BE and out[i + 1] in _POLITE
+        if out[i - 1] in ("i", "we")
+        and out[i] in _BE
+        and (out[i + 1] in _POLITE or _just_polite(out, i + 1))
     }
     for i in range(len(out) - 2):
         if out[i] == "going" and out[i + 1] == "to" and out[i + 2] not in _DETERMINERS:
