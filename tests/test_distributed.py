@@ -2204,3 +2204,53 @@ async def test_an_instance_on_a_port_another_gateway_holds_is_a_failure_not_that
         with pytest.raises(AssertionError, match="another process's"):
             async with instances(1, fake.url, None):
                 pass
+
+
+REVOKED = {"Authorization": "Bearer sk-r", "x-carpool-namespace": "pub"}
+SHARED_PUB = {"tenant": {"shared_namespaces": ["pub"]}, "coalesce": NO_WINDOW}
+
+
+async def test_a_refusal_seen_while_redis_is_out_of_reach_is_told_once_it_answers(
+    fake, redis_server
+):
+    """A refusal's PUBLISH was tried once, and not at all while the instance's Redis health
+    said to wait: lost, the other instances accepted the refused key until
+    `tenant.accepted_ttl`. It is tried again until Redis takes it."""
+    from fakes.waiting import eventually
+
+    fake.valid_keys = {"sk-a", "sk-r"}
+    async with stalled_and_steady(fake, redis_server, **SHARED_PUB) as (a, b, proxy):
+        assert (await b.chat("hi", headers=REVOKED)).status_code == 200  # accepted on B
+        await eventually(lambda: b.gateway.invalidations.listening, what="B subscribed")
+        fake.valid_keys = {"sk-a"}  # revoked upstream
+        with held(proxy):
+            assert (await a.chat("hello", headers=REVOKED)).status_code == 401  # seen on A
+        await eventually(
+            lambda: b.gateway.invalidations.counts["refusals_received"] == 1,
+            timeout=30,
+            what="the refusal told to B once A's Redis answers",
+        )
+        assert len(b.gateway.accepted) == 0
+
+
+async def test_an_instance_whose_first_subscription_failed_forgets_every_acceptance_once_subscribed(
+    fake, redis_server
+):
+    """The first subscription forgot nothing (nothing lingers at startup), even when an attempt
+    had failed before it: a refusal told meanwhile was missed, and the key accepted there
+    read the shared namespaces on."""
+    from fakes.waiting import eventually
+
+    fake.valid_keys = {"sk-r"}
+    async with a_link_that_stalls(redis_server, **SHARED_PUB) as (proxy, stalling, _):
+        with held(proxy):
+            async with run_gateway([fake.url], **stalling) as a:
+                channel = a.gateway.invalidations
+                await eventually(
+                    lambda: channel.counts["errors"] >= 1, timeout=30, what="A's first try failed"
+                )
+                assert (await a.chat("hi", headers=REVOKED)).status_code == 200  # accepted
+                assert len(a.gateway.accepted) == 1
+                proxy.release()
+                await eventually(lambda: channel.listening, timeout=30, what="A subscribed")
+                assert len(a.gateway.accepted) == 0  # (a refusal may have been missed)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import pickle
 import signal
 import threading
@@ -80,7 +81,11 @@ class Supervisor(Multiprocess):
         # never ends its graceful shutdown, and the run hung for ever (a second signal read by
         # nothing). Each gets the grace period and a margin, then is killed.
         deadline = self._stop_deadline()
-        for worker, by in [*((w, deadline) for w in self.processes), *self._retiring]:
+        # (The earliest deadline first: a retired worker's, kept, before the others'.)
+        stopping = [*self._retiring, *((w, deadline) for w in self.processes)]
+        for worker, by in sorted(
+            stopping, key=lambda pair: math.inf if pair[1] is None else pair[1]
+        ):
             self._join_by(worker, by)
 
     def handle_ttou(self) -> None:

@@ -335,7 +335,7 @@ def build_invalidations(
 
     d = config.distributed
     redis, health, owned = _shared_redis(config, store)
-    return InvalidationChannel(
+    channel = InvalidationChannel(
         redis.client,
         forget,
         prefix=d.key_prefix,
@@ -344,6 +344,8 @@ def build_invalidations(
         health=health,
         owns_client=owned,
     )
+    channel.refusal_retry_s = config.tenant.accepted_ttl
+    return channel
 
 
 def build_semantic_invalidations(

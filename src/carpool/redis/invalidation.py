@@ -28,8 +28,13 @@ Contract:
   ``AcceptedCredentials.refuse``, which is sync, on the request's path): ``PUBLISH P
   invalidations ID\rTENANT`` in the background (drained by ``aclose``): every OTHER instance
   hands ``TENANT`` to ``on_refusal`` (``AcceptedCredentials.refused_elsewhere``: its
-  acceptances there taken back too; counted in ``refusals_received``). Resubscribed after a
-  cut, the subscriber hands it None: a refusal may have been missed, every acceptance goes.
+  acceptances there taken back too; counted in ``refusals_received``). Unlike an invalidation's,
+  a refusal's PUBLISH is tried whatever the health says and again after each failure (the
+  subscriber's backoff) until Redis takes it or ``refusal_retry_s`` passes (the gateway's
+  ``tenant.accepted_ttl``: past it, nobody accepts the key on an old answer); one tenant's
+  refusals waiting are one (at most ``MAX_TELLING`` tenants wait: past it, counted in
+  ``refusals_unsent``). Subscribed after a failure (again, or for the first time after failing
+  to), the subscriber hands it None: a refusal may have been missed, every acceptance goes.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
   log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
@@ -41,7 +46,8 @@ Contract:
   Messages published while it was cut off are lost (pub/sub keeps nothing), so each time it is
   subscribed AGAIN it forgets every finished flight once (``resubscribed``): at most one extra
   upstream call per key, instead of answers that may have been invalidated meanwhile. The first
-  subscription forgets nothing (at startup nothing lingers yet). ``listening`` is true while it is
+  subscription forgets nothing (at startup nothing lingers yet), unless an attempt failed before
+  it. ``listening`` is true while it is
   subscribed (tests wait on it). Its failures and successes go to the shared health too.
 """
 
@@ -75,6 +81,7 @@ log = logging.getLogger("carpool.invalidation")
 WAIT = 1.0  # s of one wait for a message (then the keepalive is considered)
 _ID = 16  # an instance's id: 16 hex digits
 KEEPALIVE = 5.0  # s without any message before the subscriber PINGs Redis
+MAX_TELLING = 10_000  # tenants whose refusal may wait to be told at once
 
 _unavailable = unavailable_in("the invalidation channel")
 
@@ -105,7 +112,9 @@ class InvalidationChannel:
         self.on_state: Callable[[str], Awaitable[object]] | None = None
         # A tenant another instance saw refused (``tell_refused``), None for any (resubscribed).
         self.on_refusal: Callable[[str | None], object] | None = None
+        self.refusal_retry_s = 600.0  # (the gateway's ``tenant.accepted_ttl``)
         self._telling = Background("telling a refusal", log)
+        self._told: set[str] = set()  # the tenants whose refusal is being told
         self.socket_timeout = socket_timeout
         self.retry_interval = retry_interval
         self.health = health
@@ -117,6 +126,7 @@ class InvalidationChannel:
                 "received",  # invalidations of other instances applied here
                 "states_received",  # deleted responses of other instances dropped here
                 "refusals_received",  # tenants other instances saw refused, refused here
+                "refusals_unsent",  # refusals never told (too many waiting, or too long)
                 "forgotten",  # finished flights forgotten on their account
                 "dropped_locally",  # answers kept here while degraded, dropped on their account
                 "resubscribed",  # subscriptions made again after a failure (each forgets all)
@@ -164,9 +174,38 @@ class InvalidationChannel:
 
     def tell_refused(self, tenant: str) -> None:
         """Tell every other instance, in the background, that the upstream refused ``tenant``'s
-        credentials (as ``publish``)."""
-        if not self._closed:
-            self._telling.spawn(self._publish(self.instance + b"\r" + tenant.encode()))
+        credentials, until Redis takes it (the module's contract)."""
+        if self._closed or tenant in self._told:
+            return
+        if len(self._told) >= MAX_TELLING:
+            self.counts["refusals_unsent"] += 1
+            return
+        self._told.add(tenant)
+        self._telling.spawn(self._tell(tenant))
+
+    async def _tell(self, tenant: str) -> None:
+        message = self.instance + b"\r" + tenant.encode()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.refusal_retry_s
+        backoff = Backoff(self.retry_interval)
+        try:
+            while not self._closed:
+                try:
+                    with _unavailable("tell a refusal"):
+                        await self._client.publish(self.channel, message)
+                except StoreUnavailable as error:
+                    self._failed(error)
+                    if loop.time() + backoff.pause >= until:
+                        break
+                    await backoff.wait()
+                    continue
+                self.counts["published"] += 1
+                if self.health is not None:
+                    self.health.report(None)
+                return
+            self.counts["refusals_unsent"] += 1
+        finally:
+            self._told.discard(tenant)
 
     async def _publish(self, message: bytes) -> int:
         if self.health is not None and not self.health.usable():
@@ -238,6 +277,9 @@ class InvalidationChannel:
             except StoreUnavailable as error:
                 self._failed(error)
                 backing_off = True
+                # (Messages may be missed until it is subscribed: the next subscription forgets
+                # what this one would have been told, the first one too.)
+                subscribed_before = True
             else:  # closed (``aclose``) while a cancellation was swallowed (``stop_reader``)
                 backing_off = False
             finally:  # (failed, cancelled or closed: its connection goes)
