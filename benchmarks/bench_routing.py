@@ -11,7 +11,7 @@ load. Reported from the replicas' own counters (``/sim/stats``): the prefix-cach
 
 Batching has its own benchmark: ``bench_batching.py``.
 
-    python benchmarks/bench_routing.py [--quick] [--json]      # also writes routing.png
+    python benchmarks/bench_routing.py [--quick] [--json]      # writes routing.json and routing.png
                                                    # (--quick: routing-quick.png)
 """
 
@@ -160,9 +160,12 @@ def summarize(result: dict[str, Any]) -> list[str]:
 
 
 def run_and_plot(quick: bool = False) -> dict[str, Any]:
-    """``run``, its plot written: routing.png (a quick run's: routing-quick.png)."""
+    """``run``, its figures and plot written together: routing.json and routing.png (a quick
+    run's: routing-quick.*), as ``run.py --only routing`` writes them."""
     result = run(quick)
-    plot(result, RESULTS / ("routing-quick.png" if quick else "routing.png"))
+    name = "routing-quick" if quick else "routing"
+    scenario.write_json(RESULTS / f"{name}.json", result)
+    plot(result, RESULTS / f"{name}.png")
     return result
 
 

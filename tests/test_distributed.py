@@ -2254,3 +2254,36 @@ async def test_an_instance_whose_first_subscription_failed_forgets_every_accepta
                 proxy.release()
                 await eventually(lambda: channel.listening, timeout=30, what="A subscribed")
                 assert len(a.gateway.accepted) == 0  # (a refusal may have been missed)
+
+
+async def test_a_refusal_is_told_once_at_a_time_and_given_up_after_the_acceptance_ttl(
+    monkeypatch,
+):
+    """``tell_refused`` retries until Redis takes the refusal, but not for ever: past
+    ``refusal_retry_s`` (the gateway's ``tenant.accepted_ttl``: nobody accepts the key on an
+    old answer any more) it gives up, counted; a tenant's refusal told again meanwhile is the
+    one being told, and past ``MAX_TELLING`` tenants waiting a refusal is counted, not told."""
+    from carpool.redis import invalidation
+    from carpool.redis.connection import connect
+
+    monkeypatch.setattr(invalidation, "MAX_TELLING", 2)
+    client = connect(f"redis://127.0.0.1:{free_port()}", socket_timeout=0.2)  # (nobody there)
+    channel = invalidation.InvalidationChannel(
+        client, lambda: 0, retry_interval=0.05, owns_client=True, refusal_retry_s=0.5
+    )
+    try:
+        channel.tell_refused("t1")
+        channel.tell_refused("t1")  # (the one being told)
+        assert len(channel._telling) == 1
+        channel.tell_refused("t2")
+        channel.tell_refused("t3")  # (too many waiting)
+        assert len(channel._telling) == 2 and channel.counts["refusals_unsent"] == 1
+        await eventually(
+            lambda: channel.counts["refusals_unsent"] == 3, what="both refusals given up"
+        )
+        assert channel.counts["published"] == 0 and len(channel._telling) == 0
+        channel.tell_refused("t4")  # (told again once the last was given up)
+        assert len(channel._telling) == 1
+    finally:
+        await channel.aclose()
+    assert channel.counts["refusals_unsent"] == 4  # (closed while telling: never told)

@@ -350,6 +350,12 @@ async def test_a_key_the_upstream_refused_on_one_worker_is_taken_back_on_every_w
         await eventually(
             lambda: len(pair.b.gateway.accepted) == 0, what="the refusal passed on to B"
         )
+        # One telling of a tenant at a time: a flood of 401s sends no more.
+        peers = pair.a.gateway.peers
+        assert peers is not None
+        peers.tell_refused("t")
+        peers.tell_refused("t")
+        assert len(peers._telling) == 1
 
 
 async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):

@@ -21,7 +21,10 @@ Contract (CONTRACT.md "Tenants"; docs/security.md):
   it, so a made-up, revoked or under-privileged key never reads anything it was not given. A 401
   or 403 for a tenant forgets every grant of it at once (``refuse``), and a 2xx of a call sent
   before that refusal (``begun``: a long stream that ends after it) accepts nothing: the key may
-  have been revoked since the call was sent. Bounded (``max_entries``,
+  have been revoked since the call was sent. Each instance (each worker) accepts by itself, so
+  a refusal is told to the others (``on_refused``: the Redis invalidation channel, or the peers'
+  door), which take it as ``refused_elsewhere(tenant)``; ``refused_elsewhere(None)`` (a
+  subscription that may have missed some) forgets every acceptance. Bounded (``max_entries``,
   oldest out, and at most ``per_tenant`` grants a tenant, so that one key making up query
   strings cannot push the others out) and forgetful (``ttl`` seconds after the last 2xx, on
   ``clock.monotonic()``: the system's unless given another).

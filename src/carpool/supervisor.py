@@ -89,11 +89,15 @@ class Supervisor(Multiprocess):
             self._join_by(worker, by)
 
     def handle_ttou(self) -> None:
-        # uvicorn's, the worker it stops waited for as a restart's old one is (it joined it
-        # without limit, no signal read meanwhile).
-        for worker in self.processes:
-            worker.join = functools.partial(self._retired, worker)  # type: ignore[method-assign]
+        # uvicorn's, the worker it stops (the last) waited for as a restart's old one is (it
+        # joined it without limit, no signal read meanwhile).
+        if self.processes:
+            self._retire_on_join(self.processes[-1])
         super().handle_ttou()
+
+    def _retire_on_join(self, worker: Process) -> None:
+        """``worker``'s join, once uvicorn stopped it, waits as ``_retired`` does."""
+        worker.join = functools.partial(self._retired, worker)  # type: ignore[method-assign]
 
     def restart_all(self) -> None:
         # uvicorn's restart reads ``should_exit``, which a stop queued meanwhile has not set yet.
@@ -101,7 +105,7 @@ class Supervisor(Multiprocess):
         self.should_exit = _ExitOrStop(run_exit, self._stopping)
         # It stops each old worker once its replacement is ready and joins it without limit.
         for worker in self.processes:
-            worker.join = functools.partial(self._retired, worker)  # type: ignore[method-assign]
+            self._retire_on_join(worker)
         try:
             super().restart_all()
         finally:

@@ -335,7 +335,7 @@ def build_invalidations(
 
     d = config.distributed
     redis, health, owned = _shared_redis(config, store)
-    channel = InvalidationChannel(
+    return InvalidationChannel(
         redis.client,
         forget,
         prefix=d.key_prefix,
@@ -343,9 +343,8 @@ def build_invalidations(
         retry_interval=d.retry_interval,
         health=health,
         owns_client=owned,
+        refusal_retry_s=config.tenant.accepted_ttl,
     )
-    channel.refusal_retry_s = config.tenant.accepted_ttl
-    return channel
 
 
 def build_semantic_invalidations(

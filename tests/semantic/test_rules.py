@@ -530,6 +530,10 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
         ("Is f continuous on (a, b]?", "Is f continuous on (a, b)?"),
         ("Is (1,) a tuple in Python?", "Is (1) a tuple in Python?"),
         ("What is the first element of ((1, 2), 3)?", "What is the first element of (1, (2, 3))?"),
+        # (A group of one item whose brackets changed was no list: served at 1.0.)
+        ("Is [1] a list in Python?", "Is (1) a list in Python?"),
+        ("Is {1} a set in Python?", "Is [1] a set in Python?"),
+        ("What does [x] mean in regex?", "What does (x) mean in regex?"),
     ):
         assert quoted.RULE.differs(a, b), (a, b)
         assert refused(a, b) == "quoted", (a, b)
@@ -548,6 +552,10 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
             "Note - for the interval [0, 1], is it compact?",
         ),
         ("Are fruits (e.g., apples, pears) healthy?", "Are fruits (e.g. apples, pears) healthy?"),
+        (
+            "Are fruits (e.g., (a) apples, (b) pears) healthy?",
+            "Are fruits (e.g. (a) apples, (b) pears) healthy?",
+        ),
         ("What does [citation needed] mean?", "What does [citation needed] mean"),
         (
             "Write a poem about autumn [keep it short, about 8 lines]",
@@ -826,6 +834,11 @@ def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_ques
             "My landlord is suing me - what should I do?",
             "I am suing my landlord - what should I do?",
         ),
+        (
+            "My landlord is suing me...what should I do?",
+            "I am suing my landlord...what should I do?",
+        ),
+        ("My boss fired me\u2026can I sue?", "I fired my boss\u2026can I sue?"),
         (
             "My landlord is suing me and I need advice, what should I do?",
             "I am suing my landlord and I need advice, what should I do?",

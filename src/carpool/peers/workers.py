@@ -131,6 +131,8 @@ if TYPE_CHECKING:
     from ..upstream.base import UpstreamRequest
 
 log = logging.getLogger("carpool.peers")
+#: Tenants whose refusal may be being told to the other workers at once.
+MAX_TELLING = 10_000
 
 # What a client that got part of a stream relayed from its key's owner is told when that worker
 # went away part-way: a lost leader, as with Redis (``redis.flight_relay.LOST``), not an
@@ -214,6 +216,7 @@ class Peers:
         self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
         self._sessions: dict[tuple[Path, str], aiohttp.ClientSession] = {}
         self._telling = Background("telling the workers of a refusal", log)
+        self._told: set[str] = set()  # the tenants whose refusal is being told
         self._server = PeerServer()
         self._door: PeerApp | None = None
         # Without a slot: the spare socket it listens on, and its tries for a slot.
@@ -365,12 +368,21 @@ class Peers:
 
     def tell_refused(self, tenant: str) -> None:
         """Every other worker takes back its acceptances of ``tenant`` (the upstream refused
-        its credentials here: each worker accepts by itself), in the background."""
+        its credentials here: each worker accepts by itself), in the background: one telling
+        a tenant at a time, ``MAX_TELLING`` tenants at most (a flood of 401s sends no more)."""
+        if tenant in self._told or len(self._told) >= MAX_TELLING:
+            return
+        self._told.add(tenant)
         self._telling.spawn(self._tell_refused(tenant))
 
     async def _tell_refused(self, tenant: str) -> None:
-        others = await self._others()
-        await asyncio.gather(*(self._invalidate_on(path, {"refused": tenant}) for path in others))
+        try:
+            others = await self._others()
+            await asyncio.gather(
+                *(self._invalidate_on(path, {"refused": tenant}) for path in others)
+            )
+        finally:
+            self._told.discard(tenant)
 
     async def _others(self) -> list[Path]:
         """The sockets of every other worker of the run: the slots', and the spare ones (the

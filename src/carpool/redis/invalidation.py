@@ -104,6 +104,7 @@ class InvalidationChannel:
         retry_interval: float = 1.0,
         health: Health | None = None,
         owns_client: bool = False,
+        refusal_retry_s: float = 600.0,
     ) -> None:
         self.channel = (prefix + "invalidations").encode()
         self.instance = secrets.token_hex(8).encode()
@@ -112,7 +113,7 @@ class InvalidationChannel:
         self.on_state: Callable[[str], Awaitable[object]] | None = None
         # A tenant another instance saw refused (``tell_refused``), None for any (resubscribed).
         self.on_refusal: Callable[[str | None], object] | None = None
-        self.refusal_retry_s = 600.0  # (the gateway's ``tenant.accepted_ttl``)
+        self.refusal_retry_s = refusal_retry_s  # (the gateway's ``tenant.accepted_ttl``)
         self._telling = Background("telling a refusal", log)
         self._told: set[str] = set()  # the tenants whose refusal is being told
         self.socket_timeout = socket_timeout
@@ -121,7 +122,7 @@ class InvalidationChannel:
         self.listening = False
         self.counts = dict.fromkeys(
             (
-                "published",  # invalidations accepted by Redis
+                "published",  # messages accepted by Redis (invalidations, states, refusals)
                 "unsent",  # not sent: Redis degraded (the others keep at most one window)
                 "received",  # invalidations of other instances applied here
                 "states_received",  # deleted responses of other instances dropped here
@@ -129,7 +130,7 @@ class InvalidationChannel:
                 "refusals_unsent",  # refusals never told (too many waiting, or too long)
                 "forgotten",  # finished flights forgotten on their account
                 "dropped_locally",  # answers kept here while degraded, dropped on their account
-                "resubscribed",  # subscriptions made again after a failure (each forgets all)
+                "resubscribed",  # subscriptions after a failure, a first one too (each forgets all)
                 "errors",  # Redis failures (publishing and subscribing)
             ),
             0,
@@ -188,24 +189,24 @@ class InvalidationChannel:
         loop = asyncio.get_running_loop()
         until = loop.time() + self.refusal_retry_s
         backoff = Backoff(self.retry_interval)
+        told = False
         try:
-            while not self._closed:
+            while not self._closed and not told:
                 try:
                     with _unavailable("tell a refusal"):
                         await self._client.publish(self.channel, message)
+                    told = True
                 except StoreUnavailable as error:
                     self._failed(error)
                     if loop.time() + backoff.pause >= until:
-                        break
+                        return
                     await backoff.wait()
-                    continue
-                self.counts["published"] += 1
-                if self.health is not None:
-                    self.health.report(None)
-                return
-            self.counts["refusals_unsent"] += 1
+            if told:
+                self._published()
         finally:
             self._told.discard(tenant)
+            if not told:  # (given up, or the instance closed first)
+                self.counts["refusals_unsent"] += 1
 
     async def _publish(self, message: bytes) -> int:
         if self.health is not None and not self.health.usable():
@@ -218,10 +219,13 @@ class InvalidationChannel:
             self.counts["unsent"] += 1
             self._failed(error)
             return 0
+        self._published()
+        return int(receivers)
+
+    def _published(self) -> None:
         self.counts["published"] += 1
         if self.health is not None:
             self.health.report(None)
-        return int(receivers)
 
     # ------------------------------------------------------------------ subscribing
 

@@ -1,17 +1,19 @@
-"""A list or a mapping in brackets or braces keeps its marks, whatever the words around it: part
-of the quoted rule (:mod:`.quoted`), whose code check reads code attached to a word only.
+"""A list, a set or a mapping in brackets or braces keeps its marks, whatever the words around
+it: part of the quoted rule (:mod:`.quoted`), whose code check reads code attached to a word only.
 
 "Is [1, 2, 3,] valid JSON?" / "Is [1, 2, 3] valid JSON?" (a trailing comma), "[1, 2, 3]" /
 "[1 2 3]" (a list, an array printed), "[a, b]" / "(a, b)" (a closed interval, an open one),
-"[[1, 2], [3, 4]]" / "[[1, 2, 3, 4]]" (two rows, one): the verifier, which reads the words,
-scored them 0.98-0.99. Each group (the innermost, and the outermost around others) is read as
-its words and how it writes them without spaces, and a pair fires when a group of the same
-words is written with other marks on the other side, a comma, a colon or a semicolon among
-them, and a bracket or a brace (or a trailing comma). Spacing is no mark: "[0, 1]" / "[0,1]"
-pass; groups in parentheses are prose, "(e.g., x)" / "(e.g. x)"; and so is a group with an item
-of more than two words whose brackets alone change, "[keep it short, about 8 lines]" / "(keep
-it short, about 8 lines)". Linear in the text: no group holds a bracket, and the outermost are
-found in one pass.
+"[[1, 2], [3, 4]]" / "[[1, 2, 3, 4]]" (two rows, one), "Is {1} a set?" / "Is [1] a set?": the
+verifier, which reads the words, scored them 0.98-1.0 (and the retyping check lets a bracket at
+a word's edge change). Each group (the innermost, and the outermost around others) is read as
+its words and how it writes them without spaces; a pair fires when a group of the same words is
+written otherwise on the other side, one of the two forms a structure (a bracket or a brace, a
+trailing comma, a list in parentheses inside), and either its brackets alone changed or its
+separators (a comma, a colon, a semicolon) did. Spacing is no mark: "[0, 1]" / "[0,1]" pass;
+prose in parentheses is free, "(e.g., x)" / "(e.g. x)"; and so is a group with an item of more
+than two words whose brackets alone change, "[keep it short, about 8 lines]" / "(keep it short,
+about 8 lines)". Linear in the text: the innermost groups hold no bracket, the outermost are
+found in one pass, and each group's text is read once.
 """
 
 from __future__ import annotations
@@ -54,30 +56,31 @@ def _groups(text: str) -> dict[tuple[str, ...], tuple[set[str], bool]]:
 
 
 _ROUND = str.maketrans("[]{}", "()()")
+#: A group in parentheses that holds a list: "(1, 2)" inside "((1, 2), 3)".
+_INNER_LIST = re.compile(r"\([^()]*[,:;][^()]*\)")
+
+
+def _structure(written: str) -> bool:
+    """A list, a set or a mapping, not prose in parentheses: a bracket or a brace, a trailing
+    comma ("(1,)"), or a list inside ("((1, 2), 3)"; not "(e.g. (a) apples, (b) pears)")."""
+    return bool(
+        set("[]{}") & set(written)
+        or written.endswith((",)", ",]", ",}"))
+        or _INNER_LIST.search(written, 1, len(written) - 1)
+    )
 
 
 def regrouped(a: str, b: str) -> bool:
-    """The same words in a group written with other marks, one of them a list or a mapping
-    (a comma, a colon or a semicolon inside) in brackets or braces: "[1, 2, 3,]" / "[1, 2, 3]"
-    (a trailing comma), "[1, 2, 3]" / "[1 2 3]", "[a, b]" / "(a, b)" (a closed interval, an
-    open one), "[[1, 2], [3, 4]]" / "[[1, 2, 3, 4]]". Spacing is no mark ("[0, 1]" / "[0,1]");
-    groups in parentheses are prose ("(e.g., x)" / "(e.g. x)") but for a trailing comma ("(1,)"
-    / "(1)") or groups inside ("((1, 2), 3)" / "(1, (2, 3))"), and so is a group with an item of more than two words whose brackets alone
-    change ("[keep it short, about 8 lines]" / "(keep it short, ...)")."""
+    """The same words in a group written with other marks (the module's contract)."""
     ga, gb = _groups(a), _groups(b)
     for words in ga.keys() & gb.keys():
         (fa, prose_a), (fb, prose_b) = ga[words], gb[words]
         written = fa ^ fb
-        if not any(_SEPARATORS & set(w) for w in written):
-            continue
-        if not any(
-            set("[]{}") & set(w) or w.endswith((",)", ",]", ",}")) or w.count("(") > 1
-            for w in written
-        ):
-            continue  # parentheses, none inside
-        if (prose_a or prose_b) and {w.translate(_ROUND) for w in fa} == {
-            w.translate(_ROUND) for w in fb
-        }:
-            continue
-        return True
+        if not any(_structure(w) for w in written):
+            continue  # (no group differs, or prose in parentheses)
+        rebracketed = {w.translate(_ROUND) for w in fa} == {w.translate(_ROUND) for w in fb}
+        if rebracketed and (prose_a or prose_b):
+            continue  # prose whose brackets alone changed
+        if rebracketed or any(_SEPARATORS & set(w) for w in written):
+            return True
     return False

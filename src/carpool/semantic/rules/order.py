@@ -25,9 +25,11 @@ A direction between phrases reversed is read by :mod:`.directions`.
 
 Roles taken by a pronoun: "My landlord is suing me" / "I am suing my landlord" exchange "me" and
 "landlord", but pronouns carry no role above (:data:`STOP`, as "How do I..." / "How can I..." must
-pass). So each sentence is read a second time folded: a pronoun in its subject case ("me" is
-"i", "him" "he", "her" "she"), no possessive ("my landlord" is "landlord"), "am/is/are" one verb
-and a verb's -s dropped ("owes" is "owe"); the rule fires when one exchange of a pronoun of
+pass). So each sentence, and each clause (also split at an ellipsis or a dash: a question after
+it says a pronoun again), is read a second time folded: a pronoun in its subject case ("me" is
+"i", "him" "he", "her" "she", or, before a word, a possessive: both readings tried), no
+possessive ("my landlord" is "landlord"), "am/is/are" one verb and a verb's -s dropped ("owes"
+is "owe"); the rule fires when one exchange of a pronoun of
 :data:`PERSONS` with another word makes one side's sentence the other's (as above), or when two
 pronouns, both on each side, exchanged wherever they stand do ("She asked him to marry her" /
 "He asked her to marry him"). Measured on the development pairs, it refused no true rewording.
@@ -152,8 +154,11 @@ _CASES = {
 _POSSESSIVES = frozenset({"my", "our", "their", "his"})
 #: (From a run's start, read whole: "!" * 4,095 + "x" was tried from every mark, 0.4 s.)
 _SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
-#: A sentence's mark, or a comma, a colon or a dash between words.
-_CLAUSE = re.compile(r"(?<![.?!;,:])[.?!;,:]++(?:\s|$)|\s[-\u2013\u2014]+\s")
+#: Clauses: a role is exchanged within one ("The landlord evicted the tenant, and the tenant
+#: appealed"), while a word said again elsewhere ("what visa does the wife need?") is no role.
+_PIECES = re.compile(r"[,;:!?]|\.(?!\w)")
+#: The same, and an ellipsis or a dash between words ("...suing me - what should I do?").
+_CLAUSE = re.compile(_PIECES.pattern + r"|\u2026|\s[-\u2013\u2014]+\s")
 
 
 def _folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
@@ -224,11 +229,6 @@ def _words(text: str) -> tuple[str, ...]:
     """The words, "an" read as "a" (the article follows the next word: "an uncle adopted a
     nephew" / "a nephew adopted an uncle" differ only in roles)."""
     return tuple("a" if w == "an" else w for w in lower_words(text))
-
-
-#: Clauses: a role is exchanged within one ("The landlord evicted the tenant, and the tenant
-#: appealed"), while a word said again elsewhere ("what visa does the wife need?") is no role.
-_PIECES = re.compile(r"[,;:!?]|\.(?!\w)")
 
 
 def _clauses(a: str, b: str) -> bool:
