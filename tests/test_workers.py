@@ -755,27 +755,7 @@ async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does
 
     from fakes.waiting import eventually
 
-    port = free_port()
-    log = tmp_path / "workers.log"
-    settings = {"log_level": "info", "shutdown": {"drain_s": 0, "grace_s": 60}}
-    proc = start_serve(
-        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
-        serve_env(settings),
-        log,
-        own_group=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
-            await until_serving(probe, proc, log)
-        # (Both, each handling SIGINT its way: one still starting dies of it.)
-        await eventually(
-            lambda: (
-                log.read_text().count("Application startup complete") == 2
-                or proc.poll() is not None
-            ),
-            what="both workers serving",
-        )
+    async with _two_workers_serving(fake, tmp_path, grace_s=60) as (proc, log, base):
         fake.gate = asyncio.Event()  # each upstream call waits for it
         clients = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(4)]
         requests = [
@@ -813,9 +793,6 @@ async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does
         assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
         for client in clients:
             await client.aclose()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
@@ -834,19 +811,7 @@ async def test_a_stop_while_a_restart_waits_for_a_retired_worker_is_handled_at_o
 
     from fakes.waiting import eventually
 
-    port = free_port()
-    log = tmp_path / "workers.log"
-    settings = {"log_level": "info", "shutdown": {"drain_s": 0, "grace_s": 120}}
-    proc = start_serve(
-        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
-        serve_env(settings),
-        log,
-        own_group=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
-            await until_serving(probe, proc, log)
+    async with _two_workers_serving(fake, tmp_path, grace_s=120) as (proc, log, base):
         fake.gate = asyncio.Event()  # each upstream call waits for it
         client = httpx.AsyncClient(base_url=base, timeout=120)
         requests: list[asyncio.Task[httpx.Response]] = []
@@ -893,6 +858,39 @@ async def test_a_stop_while_a_restart_waits_for_a_retired_worker_is_handled_at_o
         assert {answer.status_code for answer in answers} == {200}, [a.text for a in answers]
         assert await asyncio.to_thread(proc.wait, 60) == 0, log.read_text()[-3000:]
         await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _two_workers_serving(fake, tmp_path, grace_s: float):
+    """``carpool serve --workers 2`` in a process group of its own (a Ctrl-C reaches all of
+    it), both workers serving (each handles SIGINT its way: one still starting dies of it):
+    the process, its log and its URL; killed if still running at the end."""
+    import os
+    import signal
+
+    from fakes.waiting import eventually
+
+    port = free_port()
+    log = tmp_path / "workers.log"
+    settings = {"log_level": "info", "shutdown": {"drain_s": 0, "grace_s": grace_s}}
+    proc = start_serve(
+        ["--upstream", fake.url, "--port", str(port), "--workers", "2"],
+        serve_env(settings),
+        log,
+        own_group=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=10) as probe:
+            await until_serving(probe, proc, log)
+        await eventually(
+            lambda: (
+                log.read_text().count("Application startup complete") == 2
+                or proc.poll() is not None
+            ),
+            what="both workers serving",
+        )
+        yield proc, log, base
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
