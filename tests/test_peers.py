@@ -339,7 +339,7 @@ async def test_a_key_the_upstream_refused_on_one_worker_is_taken_back_on_every_w
 
     fake.valid_keys = {"sk-r"}
     key = {"authorization": "Bearer sk-r"}
-    async with two_workers(fake.url) as pair:
+    async with two_workers(fake.url, tenant={"shared_namespaces": ["pub"]}) as pair:
         for index, worker in enumerate((pair.a, pair.b)):
             question = owned_by(worker.gateway, index, headers=key)  # its own call
             assert (await worker.chat(question, headers=key)).headers["x-carpool"] == "miss"

@@ -220,11 +220,14 @@ class Gateway:
         layers.states.evicted = self._forget_held
         if self.invalidations is not None:
             self.invalidations.on_state = self.forget_state
-            # A key refused here is refused on every instance (each accepts by itself).
             self.invalidations.on_refusal = self.accepted.refused_elsewhere
-            self.accepted.on_refused = self.invalidations.tell_refused
-        elif self.peers is not None:  # (the workers of one run, without Redis: alike)
-            self.accepted.on_refused = self.peers.tell_refused
+        # A key refused here is refused on every instance and worker (each accepts by itself),
+        # where acceptance opens anything: the shared namespaces.
+        if self.config.tenant.shared_namespaces:
+            if self.invalidations is not None:
+                self.accepted.on_refused = self.invalidations.tell_refused
+            elif self.peers is not None:
+                self.accepted.on_refused = self.peers.tell_refused
 
     @property
     def tracer(self) -> Tracer:

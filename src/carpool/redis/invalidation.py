@@ -31,9 +31,11 @@ Contract:
   acceptances there taken back too; counted in ``refusals_received``). Unlike an invalidation's,
   a refusal's PUBLISH is tried whatever the health says and again after each failure (the
   subscriber's backoff) until Redis takes it or ``refusal_retry_s`` passes (the gateway's
-  ``tenant.accepted_ttl``: past it, nobody accepts the key on an old answer); one tenant's
-  refusals waiting are one (at most ``MAX_TELLING`` tenants wait: past it, counted in
-  ``refusals_unsent``). Subscribed after a failure (again, or for the first time after failing
+  ``tenant.accepted_ttl``: past it, nobody accepts the key on an old answer, counted in
+  ``refusals_unsent``), its window starting again at each refusal of the tenant. One task
+  tells them all, one try a backoff step while Redis fails (a flood of 401s costs no more), at
+  most ``MAX_TELLING`` tenants waiting (past it, counted in ``refusals_unsent``); closing, those
+  pending get one more try within ``socket_timeout``, the rest counted. Subscribed after a failure (again, or for the first time after failing
   to), the subscriber hands it None: a refusal may have been missed, every acceptance goes.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
@@ -115,7 +117,10 @@ class InvalidationChannel:
         self.on_refusal: Callable[[str | None], object] | None = None
         self.refusal_retry_s = refusal_retry_s  # (the gateway's ``tenant.accepted_ttl``)
         self._telling = Background("telling a refusal", log)
-        self._told: set[str] = set()  # the tenants whose refusal is being told
+        # The refusals to tell, each until when (its last refusal's window), oldest first;
+        # told by one task (``_teller``).
+        self._pending: dict[str, float] = {}
+        self._teller: asyncio.Task[None] | None = None
         self.socket_timeout = socket_timeout
         self.retry_interval = retry_interval
         self.health = health
@@ -154,8 +159,10 @@ class InvalidationChannel:
             self._subscriber = asyncio.get_running_loop().create_task(self._subscribe())
 
     async def aclose(self) -> None:
+        self._closed = True  # (no refusal taken from now on; those pending get one more try)
         await self._telling.drain(self.socket_timeout)
-        self._closed = True
+        self.counts["refusals_unsent"] += len(self._pending)
+        self._pending.clear()
         subscriber, self._subscriber = self._subscriber, None
         await stop_reader(subscriber)
         if self._owns_client:
@@ -176,37 +183,45 @@ class InvalidationChannel:
     def tell_refused(self, tenant: str) -> None:
         """Tell every other instance, in the background, that the upstream refused ``tenant``'s
         credentials, until Redis takes it (the module's contract)."""
-        if self._closed or tenant in self._told:
+        if self._closed:
             return
-        if len(self._told) >= MAX_TELLING:
+        if tenant not in self._pending and len(self._pending) >= MAX_TELLING:
             self.counts["refusals_unsent"] += 1
             return
-        self._told.add(tenant)
-        self._telling.spawn(self._tell(tenant))
+        # (Told again: its window starts again, the last refusal's.)
+        self._pending.pop(tenant, None)
+        self._pending[tenant] = asyncio.get_running_loop().time() + self.refusal_retry_s
+        if self._teller is None or self._teller.done():
+            self._teller = self._telling.spawn(self._tell_pending())
 
-    async def _tell(self, tenant: str) -> None:
-        message = self.instance + b"\r" + tenant.encode()
+    async def _tell_pending(self) -> None:
+        """One task tells every refusal pending, oldest first; Redis failing, it tries once a
+        backoff step, not once a refusal (a flood of 401s while Redis is down costs one try a
+        step), and gives each up past its window."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + self.refusal_retry_s
         backoff = Backoff(self.retry_interval)
-        told = False
-        try:
-            while not self._closed and not told:
-                try:
-                    with _unavailable("tell a refusal"):
-                        await self._client.publish(self.channel, message)
-                    told = True
-                except StoreUnavailable as error:
-                    self._failed(error)
-                    if loop.time() + backoff.pause >= until:
-                        return
-                    await backoff.wait()
-            if told:
-                self._published()
-        finally:
-            self._told.discard(tenant)
-            if not told:  # (given up, or the instance closed first)
+        while self._pending:
+            now = loop.time()
+            for tenant in [t for t, until in self._pending.items() if until <= now]:
+                del self._pending[tenant]
                 self.counts["refusals_unsent"] += 1
+            if not self._pending:
+                return
+            tenant = next(iter(self._pending))
+            try:
+                with _unavailable("tell a refusal"):
+                    await self._client.publish(
+                        self.channel, self.instance + b"\r" + tenant.encode()
+                    )
+            except StoreUnavailable as error:
+                self._failed(error)
+                if self._closed:
+                    return  # (``aclose`` counts what is left)
+                await backoff.wait()
+                continue
+            backoff.reset()
+            self._pending.pop(tenant, None)
+            self._published()
 
     async def _publish(self, message: bytes) -> int:
         if self.health is not None and not self.health.usable():
