@@ -534,6 +534,10 @@ def test_quoted_a_list_or_mapping_in_brackets_keeps_its_marks():
         ("Is [1] a list in Python?", "Is (1) a list in Python?"),
         ("Is {1} a set in Python?", "Is [1] a set in Python?"),
         ("What does [x] mean in regex?", "What does (x) mean in regex?"),
+        # (Nesting without a separator: a review found them served.)
+        ("What is the shape of [[1 2] [3 4]]?", "What is the shape of [[1 2 3 4]]?"),
+        ("Reduce (x (y z)) in lambda calculus", "Reduce ((x y) z) in lambda calculus"),
+        ("In Racket, what is (- (- 10 4) 3)?", "In Racket, what is (- 10 (- 4 3))?"),
     ):
         assert quoted.RULE.differs(a, b), (a, b)
         assert refused(a, b) == "quoted", (a, b)
@@ -839,6 +843,9 @@ def test_order_refuses_roles_swapped_through_a_pronoun_in_a_clause_before_a_ques
             "I am suing my landlord...what should I do?",
         ),
         ("My boss fired me\u2026can I sue?", "I fired my boss\u2026can I sue?"),
+        # (A possessive against "the" kept the roles apart: served.)
+        ("Where did the teacher send her son?", "Where did her son send the teacher?"),
+        ("Why did the doctor call her mother?", "Why did her mother call the doctor?"),
         (
             "My landlord is suing me and I need advice, what should I do?",
             "I am suing my landlord and I need advice, what should I do?",

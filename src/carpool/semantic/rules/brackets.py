@@ -6,10 +6,10 @@ it: part of the quoted rule (:mod:`.quoted`), whose code check reads code attach
 "[[1, 2], [3, 4]]" / "[[1, 2, 3, 4]]" (two rows, one), "Is {1} a set?" / "Is [1] a set?": the
 verifier, which reads the words, scored them 0.98-1.0 (and the retyping check lets a bracket at
 a word's edge change). Each group (the innermost, and the outermost around others) is read as
-its words and how it writes them without spaces; a pair fires when a group of the same words is
-written otherwise on the other side, one of the two forms a structure (a bracket or a brace, a
-trailing comma, a list in parentheses inside), and either its brackets alone changed or its
-separators (a comma, a colon, a semicolon) did. Spacing is no mark: "[0, 1]" / "[0,1]" pass;
+its words and how it writes them (its marks; spaces around a mark and case aside); a pair fires
+when a group of the same words is written otherwise on the other side, one of the two forms a
+structure (a bracket or a brace, a trailing comma, a list in parentheses inside: "(x (y z))" /
+"((x y) z)"). Spacing is no mark: "[0, 1]" / "[0,1]" pass;
 prose in parentheses is free, "(e.g., x)" / "(e.g. x)"; and so is a group with an item of more
 than two words whose brackets alone change, "[keep it short, about 8 lines]" / "(keep it short,
 about 8 lines)". Linear in the text: the innermost groups hold no bracket, the outermost are
@@ -25,7 +25,6 @@ from .text import lower_words, memo, norm
 #: A group in brackets, braces or parentheses, none inside (so each try stops at the next
 #: one: linear).
 _GROUP = re.compile(r"[\[{(][^\[\]{}()]*[\]})]")
-_SEPARATORS = frozenset(",:;")
 
 
 def _spans(text: str) -> list[str]:
@@ -44,12 +43,13 @@ def _spans(text: str) -> list[str]:
 
 @memo
 def _groups(text: str) -> dict[tuple[str, ...], tuple[set[str], bool]]:
-    """Each group's words: how it writes them (its marks, without spaces: "[1, 2, 3,]" is (1,
-    2, 3) written "[1,2,3,]"), and whether it is prose (an item of more than two words)."""
+    """Each group's words: how it writes them (its marks, in lower case, spaces around marks
+    dropped: "[1, 2, 3,]" is (1, 2, 3) written "[1,2,3,]", "[1 2 3]" "[1 2 3]"), and whether it
+    is prose (an item of more than two words)."""
     groups: dict[tuple[str, ...], tuple[set[str], bool]] = {}
     for group in _spans(norm(text)):
         forms, prose = groups.setdefault(lower_words(group), (set(), False))
-        forms.add("".join(group.split()))
+        forms.add(_SPACED.sub(r"\1", " ".join(group.split())).lower())
         wordy = max(len(lower_words(item)) for item in re.split(r"[,:;]", group)) > 2
         groups[lower_words(group)] = (forms, prose or wordy)
     return groups
@@ -57,7 +57,9 @@ def _groups(text: str) -> dict[tuple[str, ...], tuple[set[str], bool]]:
 
 _ROUND = str.maketrans("[]{}", "()()")
 #: A group in parentheses that holds a list: "(1, 2)" inside "((1, 2), 3)".
-_INNER_LIST = re.compile(r"\([^()]*[,:;][^()]*\)")
+_INNER_LIST = re.compile(r"\((?=[^()]*[,:; ])[^()]*\)")
+#: Spaces around a mark are no mark: "[0, 1]" is "[0,1]"; between two words one is kept ("[1 2]").
+_SPACED = re.compile(r"\s*([^\w\s])\s*")
 
 
 def _structure(written: str) -> bool:
@@ -81,6 +83,5 @@ def regrouped(a: str, b: str) -> bool:
         rebracketed = {w.translate(_ROUND) for w in fa} == {w.translate(_ROUND) for w in fb}
         if rebracketed and (prose_a or prose_b):
             continue  # prose whose brackets alone changed
-        if rebracketed or any(_SEPARATORS & set(w) for w in written):
-            return True
+        return True
     return False

@@ -61,9 +61,8 @@ from .directions import reversed_direction
 from .text import STOP, lower_words, memo, norm
 
 SLACK = 2
-#: Words between two words whose order does not matter ("beauty and intelligence").
-#: Not "as": "as the landlord or as the tenant's guarantor" names two roles, not a pair (only
-#: "as well as" joins two words).
+#: Words between two words whose order does not matter ("beauty and intelligence"). Not "as":
+#: "as the landlord or as the tenant's guarantor" names two roles ("as well as" joins two).
 COORDINATORS = frozenset({"and", "or", "nor", "&", "vs", "versus", "plus"})
 
 
@@ -78,10 +77,9 @@ def _joined(between: tuple[str, ...]) -> bool:
 
 
 def _mismatches(x: tuple[str, ...], y: tuple[str, ...], cap: int) -> int:
-    """``max(len(x), len(y)) - LCS(x, y)``, or ``cap + 1`` when that is more than ``cap``.
-
-    Within ``cap`` mismatches, a common subsequence never strays more than ``cap`` places off
-    the diagonal: a band of ``2 * cap + 1`` cells a row is enough (O(len * cap))."""
+    """``max(len(x), len(y)) - LCS(x, y)``, or ``cap + 1`` when that is more than ``cap``: within
+    ``cap`` mismatches, a common subsequence never strays more than ``cap`` places off the
+    diagonal, so a band of ``2 * cap + 1`` cells a row is enough (O(len * cap))."""
     n, m = len(x), len(y)
     if abs(n - m) > cap:
         return cap + 1
@@ -225,10 +223,13 @@ def _names(text: str) -> str:
     return _LETTER_NAME.sub(r"\1-name", norm(text))
 
 
+_ARTICLES = {"an": "a", **dict.fromkeys("my your his her its our their".split(), "the")}
+
+
 def _words(text: str) -> tuple[str, ...]:
-    """The words, "an" read as "a" (the article follows the next word: "an uncle adopted a
-    nephew" / "a nephew adopted an uncle" differ only in roles)."""
-    return tuple("a" if w == "an" else w for w in lower_words(text))
+    """The words, "an" as "a", a possessive as "the" (each follows its noun: "an uncle adopted a
+    nephew" / "a nephew...", "the teacher sent her son" / "her son sent the teacher")."""
+    return tuple(_ARTICLES.get(w, w) for w in lower_words(text))
 
 
 def _clauses(a: str, b: str) -> bool:
