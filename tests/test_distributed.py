@@ -2292,3 +2292,35 @@ async def test_a_refusal_is_told_once_at_a_time_and_given_up_after_the_acceptanc
     finally:
         await channel.aclose()
     assert channel.counts["refusals_unsent"] == 4  # (closed while telling: never told)
+
+
+async def test_refusals_are_told_many_to_a_message_and_one_refused_again_keeps_its_place(
+    shared_redis,
+):
+    """One PUBLISH a refusal, awaited in turn, fell behind a flood of 401s (a few hundred a
+    second with Redis 2 ms away): past 10,000 pending a revoked key's refusal was dropped, and
+    a key refused again went to the back of the queue, never told while the flood lasted. Many
+    are told in one message now, and a key refused again keeps its place."""
+    from carpool.redis import invalidation
+    from carpool.redis.connection import connect
+
+    told = connect(shared_redis.url, cluster=shared_redis.cluster)
+    listening = connect(shared_redis.url, cluster=shared_redis.cluster)
+    teller = invalidation.InvalidationChannel(told, lambda: 0, owns_client=True)
+    listener = invalidation.InvalidationChannel(listening, lambda: 0, owns_client=True)
+    heard: list[str | None] = []
+    listener.on_refusal = heard.append
+    listener.start()
+    try:
+        await eventually(lambda: listener.listening, what="subscribed")
+        tenants = [f"t{i:04d}" for i in range(1000)]
+        for tenant in tenants:
+            teller.tell_refused(tenant)
+        teller.tell_refused("t0000")  # (refused again: its place kept)
+        assert next(iter(teller._pending)) == "t0000"
+        await eventually(lambda: len(heard) == 1000, what="every refusal heard")
+        assert sorted(heard) == tenants  # type: ignore[type-var]
+        assert teller.counts["published"] <= 1000 // invalidation.TOLD_AT_ONCE + 2
+    finally:
+        await teller.aclose()
+        await listener.aclose()

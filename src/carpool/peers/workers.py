@@ -216,7 +216,9 @@ class Peers:
         self.claim_wait_s = 2 * config.shutdown.grace_s + CLAIM_MARGIN_S
         self._sessions: dict[tuple[Path, str], aiohttp.ClientSession] = {}
         self._telling = Background("telling the workers of a refusal", log)
-        self._told: set[str] = set()  # the tenants whose refusal is being told
+        # The tenants whose refusal is being told, each whether it was refused again meanwhile.
+        self._told: dict[str, bool] = {}
+        self._closing = False
         self._server = PeerServer()
         self._door: PeerApp | None = None
         # Without a slot: the spare socket it listens on, and its tries for a slot.
@@ -370,10 +372,13 @@ class Peers:
         """Every other worker takes back its acceptances of ``tenant`` (the upstream refused
         its credentials here: each worker accepts by itself), in the background: one telling
         a tenant at a time, ``MAX_TELLING`` tenants at most (a flood of 401s sends no more)."""
-        if tenant in self._told or len(self._told) >= MAX_TELLING:
+        if self._closing:
             return
-        self._told.add(tenant)
-        self._telling.spawn(self._tell_refused(tenant))
+        if tenant in self._told:
+            self._told[tenant] = True  # (told again once this telling ends)
+        elif len(self._told) < MAX_TELLING:
+            self._told[tenant] = False
+            self._telling.spawn(self._tell_refused(tenant))
 
     async def _tell_refused(self, tenant: str) -> None:
         try:
@@ -382,7 +387,8 @@ class Peers:
                 *(self._invalidate_on(path, {"refused": tenant}) for path in others)
             )
         finally:
-            self._told.discard(tenant)
+            if self._told.pop(tenant, False):
+                self.tell_refused(tenant)  # (refused again while this one was told)
 
     async def _others(self) -> list[Path]:
         """The sockets of every other worker of the run: the slots', and the spare ones (the
@@ -672,6 +678,7 @@ class Peers:
         }
 
     async def aclose(self) -> None:
+        self._closing = True  # (no refusal told from now on: those being told drain)
         await self._telling.drain(self._grace_s)
         claiming, self._claiming = self._claiming, None
         # (Its cancellation awaited, this one's own not swallowed: a suppressed CancelledError

@@ -26,7 +26,8 @@ Contract:
   it keeps what it stored under the tag until its TTL; its other answers are untouched).
 - ``tell_refused(tenant)`` (the upstream refused a tenant's credentials, 401 or 403:
   ``AcceptedCredentials.refuse``, which is sync, on the request's path): ``PUBLISH P
-  invalidations ID\rTENANT`` in the background (drained by ``aclose``): every OTHER instance
+  invalidations ID\rTENANT[\rTENANT...]`` (``TOLD_AT_ONCE`` tenants a message at most) in the
+  background (drained by ``aclose``): every OTHER instance
   hands ``TENANT`` to ``on_refusal`` (``AcceptedCredentials.refused_elsewhere``: its
   acceptances there taken back too; counted in ``refusals_received``). Unlike an invalidation's,
   a refusal's PUBLISH is tried whatever the health says and again after each failure (the
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -84,6 +86,7 @@ WAIT = 1.0  # s of one wait for a message (then the keepalive is considered)
 _ID = 16  # an instance's id: 16 hex digits
 KEEPALIVE = 5.0  # s without any message before the subscriber PINGs Redis
 MAX_TELLING = 10_000  # tenants whose refusal may wait to be told at once
+TOLD_AT_ONCE = 256  # tenants a refusal's message names at most
 
 _unavailable = unavailable_in("the invalidation channel")
 
@@ -149,7 +152,7 @@ class InvalidationChannel:
         return f"<InvalidationChannel {self.channel.decode()!r} instance={self.instance.decode()}>"
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.counts, "listening": self.listening}
+        return {**self.counts, "listening": self.listening, "refusals_pending": len(self._pending)}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -161,6 +164,12 @@ class InvalidationChannel:
     async def aclose(self) -> None:
         self._closed = True  # (no refusal taken from now on; those pending get one more try)
         await self._telling.drain(self.socket_timeout)
+        if self._pending:
+            log.warning(
+                "closing: %d refusals of keys were never told to the other instances (Redis "
+                "did not take them): they accept those keys until tenant.accepted_ttl",
+                len(self._pending),
+            )
         self.counts["refusals_unsent"] += len(self._pending)
         self._pending.clear()
         subscriber, self._subscriber = self._subscriber, None
@@ -188,16 +197,15 @@ class InvalidationChannel:
         if tenant not in self._pending and len(self._pending) >= MAX_TELLING:
             self.counts["refusals_unsent"] += 1
             return
-        # (Told again: its window starts again, the last refusal's.)
-        self._pending.pop(tenant, None)
+        # (Told again: its window starts again, the last refusal's; its place kept.)
         self._pending[tenant] = asyncio.get_running_loop().time() + self.refusal_retry_s
         if self._teller is None or self._teller.done():
             self._teller = self._telling.spawn(self._tell_pending())
 
     async def _tell_pending(self) -> None:
-        """One task tells every refusal pending, oldest first; Redis failing, it tries once a
-        backoff step, not once a refusal (a flood of 401s while Redis is down costs one try a
-        step), and gives each up past its window."""
+        """One task tells every refusal pending, oldest first, ``TOLD_AT_ONCE`` tenants a
+        message (one PUBLISH a round trip would fall behind a flood of 401s); Redis failing, it
+        tries once a backoff step, not once a refusal, and gives each up past its window."""
         loop = asyncio.get_running_loop()
         backoff = Backoff(self.retry_interval)
         while self._pending:
@@ -205,14 +213,13 @@ class InvalidationChannel:
             for tenant in [t for t, until in self._pending.items() if until <= now]:
                 del self._pending[tenant]
                 self.counts["refusals_unsent"] += 1
-            if not self._pending:
+            told = dict(itertools.islice(self._pending.items(), TOLD_AT_ONCE))
+            if not told:
                 return
-            tenant = next(iter(self._pending))
+            message = self.instance + b"\r" + "\r".join(told).encode()
             try:
                 with _unavailable("tell a refusal"):
-                    await self._client.publish(
-                        self.channel, self.instance + b"\r" + tenant.encode()
-                    )
+                    await self._client.publish(self.channel, message)
             except StoreUnavailable as error:
                 self._failed(error)
                 if self._closed:
@@ -220,7 +227,9 @@ class InvalidationChannel:
                 await backoff.wait()
                 continue
             backoff.reset()
-            self._pending.pop(tenant, None)
+            for tenant, until in told.items():
+                if self._pending.get(tenant) == until:  # (not refused again meanwhile)
+                    del self._pending[tenant]
             self._published()
 
     async def _publish(self, message: bytes) -> int:
@@ -282,8 +291,9 @@ class InvalidationChannel:
                             pass
                         elif (refused := _refusal_of(message.get("data"))) is not None:
                             if refused[0] != self.instance and self.on_refusal is not None:
-                                self.on_refusal(refused[1])
-                                self.counts["refusals_received"] += 1
+                                for tenant in refused[1]:
+                                    self.on_refusal(tenant)
+                                    self.counts["refusals_received"] += 1
                         elif (state := _state_of(message.get("data"))) is not None:
                             if state[0] != self.instance:
                                 await self._forget_state(state[1])
@@ -331,11 +341,11 @@ def _state_of(data: Any) -> tuple[bytes, str] | None:
     return data[:_ID], data[_ID:].decode("utf-8", "replace")
 
 
-def _refusal_of(data: Any) -> tuple[bytes, str] | None:
-    """A ``tell_refused`` message's (instance, tenant); None for any other."""
+def _refusal_of(data: Any) -> tuple[bytes, list[str]] | None:
+    """A ``tell_refused`` message's (instance, tenants); None for any other."""
     if not isinstance(data, bytes) or data[_ID : _ID + 1] != b"\r":
         return None
-    return data[:_ID], data[_ID + 1 :].decode("utf-8", "replace")
+    return data[:_ID], data[_ID + 1 :].decode("utf-8", "replace").split("\r")
 
 
 async def _quietly(closing: Any) -> None:
