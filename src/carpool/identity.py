@@ -181,8 +181,8 @@ class AcceptedCredentials:
         self._refusals = 0
         self._refused: dict[str, int] = {}
         self._floor = 0
-        # Told of each refusal seen here (the Redis invalidation channel's ``tell_refused``):
-        # another instance would accept the key on until ``ttl``.
+        # Told of each refusal seen here (the invalidation channel's or the peers'
+        # ``tell_refused``): another instance would accept the key on until ``ttl``.
         self.on_refused: Callable[[str], object] | None = None
 
     def __len__(self) -> int:

@@ -22,10 +22,11 @@ when the run's exit flag is set: the worker awaited is killed, the old ones left
 uvicorn's restart looked at that flag only, which the signal sets once handled, after the
 restart: a stop during it waited for it.
 
-A stop waits for each worker to end for the grace period and ``STOP_MARGIN_S`` at most, then
-kills it, and so does a SIGHUP's restart (or a SIGTTOU) for each old worker it stops, until a
-stop comes, which then waits for it with the others: uvicorn waited without limit, and a worker whose event loop was stuck hung the run (in a restart, the supervisor: no
-health checks, no worker replaced, no signal read).
+A stop waits for each worker to end for the grace period and ``STOP_MARGIN_S`` at most, then kills
+it, and so does a SIGHUP's restart (or a SIGTTOU) for each old worker it stops, until a stop comes,
+which then waits for it with the others: uvicorn waited without limit, and a worker whose event
+loop was stuck hung the run (in a restart, the supervisor: no health checks, no worker replaced, no
+signal read).
 """
 
 from __future__ import annotations

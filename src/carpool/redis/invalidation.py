@@ -25,19 +25,19 @@ Contract:
   in ``states_received``; nothing else. Sent and failing as ``publish`` (an instance that missed
   it keeps what it stored under the tag until its TTL; its other answers are untouched).
 - ``tell_refused(tenant)`` (the upstream refused a tenant's credentials, 401 or 403:
-  ``AcceptedCredentials.refuse``, which is sync, on the request's path): ``PUBLISH P
-  invalidations ID\rTENANT[\rTENANT...]`` (``TOLD_AT_ONCE`` tenants a message at most) in the
-  background (drained by ``aclose``): every OTHER instance
-  hands ``TENANT`` to ``on_refusal`` (``AcceptedCredentials.refused_elsewhere``: its
-  acceptances there taken back too; counted in ``refusals_received``). Unlike an invalidation's,
-  a refusal's PUBLISH is tried whatever the health says and again after each failure (the
-  subscriber's backoff) until Redis takes it or ``refusal_retry_s`` passes (the gateway's
-  ``tenant.accepted_ttl``: past it, nobody accepts the key on an old answer, counted in
-  ``refusals_unsent``), its window starting again at each refusal of the tenant. One task
-  tells them all, one try a backoff step while Redis fails (a flood of 401s costs no more), at
-  most ``MAX_TELLING`` tenants waiting (past it, counted in ``refusals_unsent``); closing, those
-  pending get one more try within ``socket_timeout``, the rest counted. Subscribed after a failure (again, or for the first time after failing
-  to), the subscriber hands it None: a refusal may have been missed, every acceptance goes.
+  ``AcceptedCredentials.refuse``, which is sync, on the request's path): ``PUBLISH P invalidations
+  ID\rTENANT[\rTENANT...]`` (``TOLD_AT_ONCE`` tenants a message at most) in the background
+  (drained by ``aclose``): every OTHER instance hands ``TENANT`` to ``on_refusal``
+  (``AcceptedCredentials.refused_elsewhere``: its acceptances there taken back too; counted in
+  ``refusals_received``). Unlike an invalidation's, a refusal's PUBLISH is tried whatever the
+  health says and again after each failure (the subscriber's backoff) until Redis takes it or
+  ``refusal_retry_s`` passes (the gateway's ``tenant.accepted_ttl``: past it, nobody accepts the
+  key on an old answer, counted in ``refusals_unsent``), its window starting again at each refusal
+  of the tenant. One task tells them all, one try a backoff step while Redis fails (a flood of
+  401s costs no more), at most ``MAX_TELLING`` tenants waiting (past it, counted in
+  ``refusals_unsent``); closing, those pending get one more try within ``socket_timeout``, the
+  rest counted. Subscribed after a failure (again, or for the first time after failing to), the
+  subscriber hands it None: a refusal may have been missed, every acceptance goes.
 - Redis never fails an invalidation and never hangs it: a failed PUBLISH is counted
   (``errors``) and reported to the shared store's health (degraded mode, /stats, /healthz, the
   log); while that health says Redis is not to be tried, nothing is sent (``unsent``) and
@@ -50,8 +50,8 @@ Contract:
   subscribed AGAIN it forgets every finished flight once (``resubscribed``): at most one extra
   upstream call per key, instead of answers that may have been invalidated meanwhile. The first
   subscription forgets nothing (at startup nothing lingers yet), unless an attempt failed before
-  it. ``listening`` is true while it is
-  subscribed (tests wait on it). Its failures and successes go to the shared health too.
+  it. ``listening`` is true while it is subscribed (tests wait on it). Its failures and successes
+  go to the shared health too.
 """
 
 from __future__ import annotations
