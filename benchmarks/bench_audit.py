@@ -138,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.quick, args.verifier_threshold)
     RESULTS.mkdir(exist_ok=True)
-    name = "audit-quick" if args.quick else "audit"  # (a quick run keeps the published ones)
+    name = scenario.result_name("audit", args.quick)
     plot(result, RESULTS / f"{name}.png")
     scenario.write_json(RESULTS / f"{name}.json", result)
     print("\n".join(summarize(result)))

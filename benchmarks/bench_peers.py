@@ -493,8 +493,8 @@ def main() -> int:
         "--out", type=Path, default=None, help="[results/peers.json; --quick: peers-quick.json]"
     )
     args = parser.parse_args()
-    if args.out is None:  # (a quick run keeps the published figures)
-        args.out = RESULTS / ("peers-quick.json" if args.quick else "peers.json")
+    if args.out is None:
+        args.out = RESULTS / f"{scenario.result_name('peers', args.quick)}.json"
     started, git = time.monotonic(), git_state()
     result = run(args.quick)
     doc = document(result, args.quick, started, git)

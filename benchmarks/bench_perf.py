@@ -325,8 +325,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.quick)
     RESULTS.mkdir(exist_ok=True)
-    # (A quick run is a smoke test: it never overwrites the figures the README publishes.)
-    scenario.write_json(RESULTS / ("perf-quick.json" if args.quick else "perf.json"), result)
+    scenario.write_json(RESULTS / f"{scenario.result_name('perf', args.quick)}.json", result)
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -163,7 +163,7 @@ def run_and_plot(quick: bool = False) -> dict[str, Any]:
     """``run``, its figures and plot written together: routing.json and routing.png (a quick
     run's: routing-quick.*), as ``run.py --only routing`` writes them."""
     result = run(quick)
-    name = "routing-quick" if quick else "routing"
+    name = scenario.result_name("routing", quick)
     scenario.write_json(RESULTS / f"{name}.json", result)
     plot(result, RESULTS / f"{name}.png")
     return result

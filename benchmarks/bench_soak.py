@@ -597,8 +597,8 @@ def main() -> None:
     if args.loadgen:  # the load generator's own process
         sys.stdout.write(json.dumps(scenario.run_async(_load(json.loads(args.loadgen)))))
         return
-    if args.out is None:  # (a quick run keeps the published figures)
-        args.out = RESULTS / ("soak-quick.json" if args.quick else "soak.json")
+    if args.out is None:
+        args.out = RESULTS / f"{scenario.result_name('soak', args.quick)}.json"
     started = time.monotonic()
     result = run(args.quick, args.requests, args.concurrency)
     scenario.write_json(args.out, document(result, args.quick, time.monotonic() - started))

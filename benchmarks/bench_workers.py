@@ -327,7 +327,7 @@ def main() -> None:
         quick=args.quick,
         duration_s=time.monotonic() - started,
     )
-    scenario.write_json(RESULTS / ("workers-quick.json" if args.quick else "workers.json"), doc)
+    scenario.write_json(RESULTS / f"{scenario.result_name('workers', args.quick)}.json", doc)
     print("\n".join(summarize(result)))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -142,7 +142,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.out is None:  # a partial or quick run never overwrites the full run's figures
         name = "-".join(args.only) if args.only else "core" if args.all else "core-partial"
-        args.out = RESULTS / (name + ("-quick" if args.quick else "") + ".json")
+        args.out = RESULTS / f"{scenario.result_name(name, args.quick)}.json"
 
     started = time.monotonic()
     results: dict[str, Any] = {}

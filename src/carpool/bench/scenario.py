@@ -70,6 +70,12 @@ def document(
     }
 
 
+def result_name(name: str, quick: bool) -> str:
+    """The name a benchmark's results are written under: a ``--quick`` run's its own
+    (``NAME-quick``), so a smaller run never overwrites the published figures."""
+    return f"{name}-quick" if quick else name
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
