@@ -117,6 +117,11 @@ async def test_a_key_the_upstream_refused_on_one_instance_reads_no_shared_namesp
         )
         got = await b.chat(QUESTION, headers=revoked)
         assert got.status_code == 401, (got.status_code, got.headers.get("x-carpool"))
+        # Counted where an operator alerts: /metrics (it was in /stats alone).
+        told, taken = [x.gateway.metrics.render().decode() for x in (a, b)]
+        assert "carpool_redis_refusals_received_total 1.0" in taken
+        assert "carpool_redis_refusals_unsent_total 0.0" in told
+        assert "carpool_redis_refusals_pending 0.0" in told
 
 
 async def test_an_answer_made_with_a_held_key_is_not_served_where_the_gateway_holds_none(

@@ -28,7 +28,7 @@ from carpool.errors import RETRY_HEADERS, LeaderLost
 from carpool.fingerprint import fingerprint
 from carpool.peers import Peers, claim
 from carpool.peers.server import PeerServer
-from carpool.peers.slots import spare_path
+from carpool.peers.slots import socket_path, spare_path
 from carpool.peers.workers import ASKS, OWN, STALE_SPARE_S
 from carpool.pipeline import Gateway
 from carpool.redis.flight_relay import LOST
@@ -356,6 +356,26 @@ async def test_a_key_the_upstream_refused_on_one_worker_is_taken_back_on_every_w
         peers.tell_refused("t")
         peers.tell_refused("t")
         assert len(peers._telling) == 1
+
+
+async def test_a_refusal_passed_on_that_names_no_tenant_is_a_400_and_takes_nothing_back(fake):
+    # Only a peer sends {"refused": ...}; one whose tenant is not a string (another release,
+    # a bug) is refused by name, every acceptance kept and the worker serving on.
+    fake.valid_keys = {"sk-r"}
+    key = {"authorization": "Bearer sk-r"}
+    async with two_workers(fake.url, tenant={"shared_namespaces": ["pub"]}) as pair:
+        question = owned_by(pair.b.gateway, 1, headers=key)
+        assert (await pair.b.chat(question, headers=key)).headers["x-carpool"] == "miss"
+        assert len(pair.b.gateway.accepted) == 1
+        peers = pair.a.gateway.peers
+        assert peers is not None
+        b_door = socket_path(peers.directory, 1)
+        for tenant in (5, None, ["t"], {"t": 1}):
+            answer = await peers._admin_on(b_door, "/admin/invalidate", {"refused": tenant}, "t")
+            assert answer is not None and answer[0] == 400, (tenant, answer)
+            assert "refused names a tenant" in str(answer[1]), answer
+        assert len(pair.b.gateway.accepted) == 1
+        assert (await pair.b.chat(question, headers=key)).headers["x-carpool"] == "hit"
 
 
 async def test_a_stream_led_by_the_owner_is_relayed_frame_by_frame(fake):

@@ -6,7 +6,8 @@ Contract:
   ``FlightGroup.live``; with ``redis``, a call led by another instance that clients here follow
   is a flight here too, so the instances' sum counts it once per instance; waiters, each cache
   layer's entries and bytes, calls in flight per replica, Redis errors per component, Redis
-  calls that found the pool exhausted); read at scrape time, never kept. The exact cache takes
+  calls that found the pool exhausted; with ``redis``, the keys the upstream refused told by
+  and to the other instances, None without); read at scrape time, never kept. The exact cache takes
   a step of reaping first (``Store.reap``), so that its figures come to count live entries
   only.
 - ``idempotency`` (in the gauges and ``/stats``): what the idempotency records hold in this
@@ -124,6 +125,12 @@ def gauges(layers: Layers) -> dict[str, Any]:
         "redis_full": shared_store.full if shared_store is not None else 0,
         "redis_slot_moving": shared_store.slot_moving if shared_store is not None else 0,
         "redis_wrong_type": shared_store.wrong_type if shared_store is not None else 0,
+        # (Keys the upstream refused, told to the other instances: None without Redis.)
+        "redis_refusals": (
+            {event: channel[f"refusals_{event}"] for event in ("received", "unsent", "pending")}
+            if layers.invalidations is not None and (channel := layers.invalidations.snapshot())
+            else None
+        ),
         "judge_calls": layers.judge.calls if layers.judge is not None else 0,
         "semantic_audit": layers.audits.snapshot() if layers.audits is not None else {},
         "semantic_audit_totals": layers.audits.totals() if layers.audits is not None else {},

@@ -342,6 +342,24 @@ class _StatsCollector(Collector):
             "(WRONGTYPE: something else wrote it): run without sharing; Redis not marked down.",
             value=g["redis_wrong_type"],
         )
+        if (refusals := g["redis_refusals"]) is not None:
+            yield CounterMetricFamily(
+                "carpool_redis_refusals_received",
+                "Keys another instance saw the upstream refuse (401/403), taken back here.",
+                value=refusals["received"],
+            )
+            yield CounterMetricFamily(
+                "carpool_redis_refusals_unsent",
+                "Keys the upstream refused here never told to the other instances (more than "
+                "10,000 waiting, or Redis out of reach for tenant.accepted_ttl): where accepted "
+                "before, they read the shared namespaces until tenant.accepted_ttl.",
+                value=refusals["unsent"],
+            )
+            yield GaugeMetricFamily(
+                "carpool_redis_refusals_pending",
+                "Keys the upstream refused here, waiting to be told to the other instances.",
+                value=refusals["pending"],
+            )
         yield GaugeMetricFamily(
             "carpool_flights",
             "Upstream calls in flight (and lingering in the coalescing window); with Redis or "
