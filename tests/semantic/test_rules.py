@@ -899,6 +899,31 @@ def test_order_the_same_roles_with_pronouns_reworded_pass():
         assert passes(order.RULE, a, b), (a, b)
 
 
+def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
+    # One word was exchanged with the pronoun: a role of several words ("my friend's dog",
+    # "the police", "my old boss") passed the rule, and the verifier served some (0.99).
+    for a, b in (
+        ("My friend's dog bit me", "I bit my friend's dog"),
+        ("My boss's wife hit me, what should I do?", "I hit my boss's wife, what should I do?"),
+        ("Why did my sister's husband leave me?", "Why did I leave my sister's husband?"),
+        ("The company's lawyer sued me", "I sued the company's lawyer"),
+        ("The police are chasing me", "I am chasing the police"),
+        ("My old boss hired me", "I hired my old boss"),
+        ("A stranger followed me home", "I followed a stranger home"),
+        (
+            "Should she forgive her ex-husband's new wife?",
+            "Should her ex-husband's new wife forgive her?",
+        ),
+    ):
+        assert refused(a, b) == "order", (a, b)
+    # A middle that only joins the two exchanges no role.
+    for a, b in (
+        ("I and my brother went to Paris", "My brother and I went to Paris"),
+        ("Me and my wife want to adopt", "My wife and I want to adopt"),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
 def test_order_roles_exchanged_in_one_clause_of_several_are_refused():
     # Only words said once on each side were exchanged (a question naming a role again passed),
     # "an uncle" / "a nephew" counted as a mismatch, one-letter names were articles, and a name

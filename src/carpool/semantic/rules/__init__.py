@@ -22,7 +22,8 @@ refuses, ahead of the model, what the model reads badly:
 - :mod:`.order`: the same words in another order ("the cat chased the mouse" / "the mouse chased
   the cat", "JSON to YAML" / "YAML to JSON"), a direction between phrases reversed ("from Google
   Photos to iCloud", read by :mod:`.directions`) and roles exchanged through a pronoun ("My
-  landlord is suing me" / "I am suing my landlord");
+  landlord is suing me" / "I am suing my landlord"; a role named by a phrase, "My friend's dog
+  bit me" / "I bit my friend's dog", read by :mod:`.phrases`);
 - :mod:`.polarity`: a negation, an exclusion or a one-word opposite on one side only ("safe" /
   "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /
   "undervalued", "exceed" / "fall short of", "still" / "no longer", "is happening" / "is no

@@ -44,11 +44,9 @@ follows the exchange: "an uncle adopted a nephew"). A capital letter after a wor
 side exactly the other, fire too ("Mary gave John the book John wanted"), unless they are joined
 ("Python or Java").
 
-An owner and what it owns exchanged, two neighbours: "the solvent's solute" / "the solute's
-solvent", "my wife's brother" / "my brother's wife". Neighbours exchanged pass above ("earn money
-fast online" / "...online fast"), and the words are read without their possessive, so the
-possessive is kept for this one reading: "x's y" on one side where the other says "y's x", the
-rest word for word.
+A role named by a phrase exchanged with a pronoun ("My friend's dog bit me" / "I bit my
+friend's dog"), and an owner exchanged with what it owns ("my wife's brother" / "my brother's
+wife"), are read by :mod:`.phrases`.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from collections import Counter
 
 from ..verdict import Reason, Rule
 from .directions import reversed_direction
+from .phrases import exchanged_with_a_phrase, owner_exchanged
 from .text import STOP, lower_words, memo, norm
 
 SLACK = 2
@@ -193,7 +192,10 @@ def _roles(a: str, b: str) -> bool:
             for hers_x, hers_y in ((False, False), (True, True), (True, False), (False, True)):
                 fx, fy = _folded(x, hers_x), _folded(y, hers_y)
                 if fx != fy and (
-                    _swapped(fx, fy, True) or _swapped(fy, fx, True) or _exchanged(fx, fy)
+                    _swapped(fx, fy, True)
+                    or _swapped(fy, fx, True)
+                    or _exchanged(fx, fy)
+                    or exchanged_with_a_phrase(fx, fy, PERSONS, _joined)
                 ):
                     return True
                 if "her" not in lower_words(x) + lower_words(y):
@@ -263,26 +265,8 @@ def _renamed(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     )
 
 
-#: A word with its possessive kept ("solvent's").
-_OWNING = re.compile(r"[^\W_]+(?:'s\b)?")
-
-
-def _owner_exchanged(a: str, b: str) -> bool:
-    """An owner and what it owns exchanged: "x's y" on one side, "y's x" on the other."""
-    wa: list[str] = _OWNING.findall(norm(a).lower())
-    wb: list[str] = _OWNING.findall(norm(b).lower())
-    if len(wa) != len(wb):
-        return False
-    changed = [i for i, (x, y) in enumerate(zip(wa, wb, strict=True)) if x != y]
-    if len(changed) != 2 or changed[1] != changed[0] + 1:
-        return False
-    i = changed[0]
-    x, y = wa[i], wa[i + 1]
-    return x.endswith("'s") and wb[i] == y + "'s" and wb[i + 1] == x[:-2]
-
-
 def differs(a: str, b: str) -> bool:
-    if _owner_exchanged(a, b) or _owner_exchanged(b, a):
+    if owner_exchanged(a, b) or owner_exchanged(b, a):
         return True
     a, b = _names(a), _names(b)
     wa, wb = _words(a), _words(b)
