@@ -579,8 +579,23 @@ def test_quoted_code_with_the_same_punctuation_and_prose_punctuation_pass():
         ("How do I use print() in Python?", "How do I use print() in Python"),
         ("What does x = [1, 2] do?", "What does x = [1, 2] do."),
         ("In Python, what does len(x) return?", "In Python what does len(x) return?"),
+        # The same code where the prose moved around it.
+        ("What is len(), in Python?", "In Python, what is len()?"),
+        ("How do I use print(x) in Python", "In Python how do I use print(x)"),
     ):
         assert passes(quoted.RULE, a, b), (a, b)
+
+
+def test_quoted_the_same_words_moved_inside_code_are_refused():
+    # Only the same words in the same order were compared by their code's punctuation:
+    # calls nested the other way round were served (the verifier scored them 0.94 to 0.98).
+    for a, b in (
+        ("What is pow(pow(2,3),2)?", "What is pow(2,pow(3,2))?"),
+        ("Compute max(min(4, 7), 5)", "Compute min(max(4, 7), 5)"),
+        ("Evaluate f(g(x)) when x = 2", "Evaluate g(f(x)) when x = 2"),
+        ("What does sorted(reversed(xs)) return?", "What does reversed(sorted(xs)) return?"),
+    ):
+        assert refused(a, b) == "quoted", (a, b)
 
 
 def test_quoted_the_text_an_error_or_a_log_says_must_be_the_same():

@@ -24,7 +24,8 @@ request; the answer differs in every word. So:
   keeps its punctuation: when both sides have code and the same words, every chunk between
   spaces that has a bracket, a brace, ``=``, ``;`` or ``:`` must be on both sides (sentence
   marks at a chunk's end dropped). "for i in range(10) print(i)" / "for i in range(10):
-  print(i)" differ; "print() in Python?" / "print() in Python" do not;
+  print(i)" differ; "print() in Python?" / "print() in Python" do not; nor may the same words
+  move in the code: "f(g(x))" / "g(f(x))", "pow(pow(2,3),2)" / "pow(2,pow(3,2))" differ;
 - a list or a mapping in brackets or braces keeps its marks, whatever the words around it
   (:mod:`.brackets`): "[1, 2, 3,]" / "[1, 2, 3]" differ, "[0, 1]" / "[0,1]" do not.
 """
@@ -218,6 +219,11 @@ def _code_chunks(text: str) -> Counter[str] | None:
     return Counter(c for c in chunks if _CODE_MARK.search(c))
 
 
+def _loose(chunks: Counter[str]) -> Counter[str]:
+    """Code chunks without a comma at their end ("In Python, len()" / "len(), in Python")."""
+    return Counter(c.rstrip(",") for c in chunks.elements())
+
+
 @memo
 def _flat(text: str) -> str:
     return _squash(re.sub(r"[`'\"「」『』《》“”]", " ", norm(text)))
@@ -228,8 +234,12 @@ def differs(a: str, b: str) -> bool:
     if any(q not in _flat(b) for q in _quoted(a)) or any(q not in _flat(a) for q in _quoted(b)):
         return True
     ca, cb = _code_chunks(a), _code_chunks(b)
-    if ca is not None and cb is not None and ca != cb and lower_words(a) == lower_words(b):
-        return True  # the same words, the code's punctuation changed
+    if ca is not None and cb is not None and ca != cb:
+        wa, wb = lower_words(a), lower_words(b)
+        if wa == wb:
+            return True  # the same words, the code's punctuation changed
+        if Counter(wa) == Counter(wb) and _loose(ca) != _loose(cb):
+            return True  # the same words moved in the code: "f(g(x))" / "g(f(x))"
     if regrouped(a, b):
         return True
     sa, sb = _says(a), _says(b)
