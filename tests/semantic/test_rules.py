@@ -332,6 +332,25 @@ def test_operators_a_different_code_operator_is_refused():
     )
 
 
+def test_operators_the_same_operators_between_other_operands_are_refused():
+    # Only the operators were compared, in order: names exchanged around them were served
+    # ("Is a < b..." / "Is b < a...", 0.987).
+    for a, b in (
+        ("Is a < b when a = 1 and b = 2?", "Is b < a when a = 1 and b = 2?"),
+        ("Does x = y + 1 imply y > x?", "Does y = x + 1 imply y > x?"),
+        ("What is x = y + 1 doing here?", "What is y = x + 1 doing here?"),
+    ):
+        assert refused(a, b) == "operator", (a, b)
+    for a, b in (
+        ("What does x = y + 1 do?", "x = y + 1, what does it do?"),
+        ("What is 5 + 3?", "What's 5+3?"),
+        ("How do I write a -> b in Rust?", "In Rust, how do I write a -> b?"),
+        # (A prefix has no operand on its spaced side: a true rewording was refused so.)
+        ("Its arguments are url, and **kwargs.", "Its arguments are url, and more in **kwargs."),
+    ):
+        assert passes(operators.RULE, a, b), (a, b)
+
+
 def test_operators_word_operators_between_names_of_code_and_their_grouping_are_refused():
     # Outside backticks "and" / "or" / "is not" / "not" were prose, and parentheses nothing:
     # "a and b" was served "a or b"'s answer, "not (x and y)" that of "not x and y".

@@ -26,6 +26,9 @@ b" / "a or b"; not "C or C++", "K or H"), "not" before one ("not x"), "is not" /
 None / True / False ("is not None" / "!= None" read in their order), and parentheses around an
 operator ("not (x and y)" / "not x and y").
 
+The same operators must stand between the same names or numbers: "Is a < b" / "Is b < a", "x =
+y + 1" / "y = x + 1" differ.
+
 A hyphen inside a word ("e-mail"), a slash between words ("and/or") and sentence punctuation are
 no operators; arithmetic signs count only between digits or names.
 """
@@ -142,6 +145,39 @@ def _end_run(text: str) -> tuple[str, bool]:
     return last, len(last) > 1 and open_
 
 
+#: An operand beside an operator: read forward after it, and backward (reversed) before it,
+#: anchored and within :data:`_REACH` characters (searched for from the text's start, each
+#: operator's took time quadratic in a long run of letters).
+_RIGHT = re.compile(r"\s*\(*[\w.]+")
+_LEFT_REVERSED = re.compile(r"\s*\)*[\w.]+")
+_REACH = 64
+
+
+@memo
+def _operands(text: str) -> tuple[tuple[str, str, str], ...]:
+    """Each operator symbol with the names or numbers beside it ("x = y + 1": ``x = y``, ``y +
+    1``): the same operators between other operands are another expression."""
+    text = _PROSE.sub(" ", norm(text))
+    found = []
+    for m in _SYMBOL.finditer(text):
+        before = text[max(0, m.start() - _REACH) : m.start()][::-1]
+        left = _LEFT_REVERSED.match(before)
+        right = _RIGHT.match(text, m.end(), m.end() + _REACH)
+        # Spaced on one side only, it is a prefix or a suffix ("and **kwargs", "!x"): the word
+        # on its spaced side is no operand.
+        spaced_before = text[m.start() - 1 : m.start()].isspace()
+        if spaced_before != text[m.end() : m.end() + 1].isspace():
+            left, right = (None, right) if spaced_before else (left, None)
+        found.append(
+            (
+                "".join(left.group()[::-1].split()) if left else "",
+                m.group(),
+                "".join(right.group().split()) if right else "",
+            )
+        )
+    return tuple(found)
+
+
 def differs(a: str, b: str) -> bool:
     # Marks apart at the end end a sentence ("Why is it blue ??"), but two texts that both end
     # so in other marks, two or more on a side, ask about them ("What does !!" / "What does
@@ -150,7 +186,9 @@ def differs(a: str, b: str) -> bool:
     (x, open_x), (y, open_y) = _end_run(a), _end_run(b)
     if (open_x or open_y) and x != y:
         return True
-    return _operators(a) != _operators(b) or (bool(x and y) and x != y and max(len(x), len(y)) > 1)
+    if _operators(a) != _operators(b) or _operands(a) != _operands(b):
+        return True  # (another operator, or the same between other operands: "a < b" / "b < a")
+    return bool(x and y) and x != y and max(len(x), len(y)) > 1
 
 
 RULE = Rule(Reason.OPERATOR, differs)
