@@ -742,6 +742,44 @@ async def test_a_worker_started_during_the_run_admits_the_client_keys_the_run_st
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_ctrl_c_while_the_workers_load_stops_the_run_without_a_traceback():
+    """A Ctrl-C reaches every process of the group, and a worker still importing its modules
+    (seconds on a slow machine) printed a KeyboardInterrupt traceback each (or "Fatal Python
+    error" in its site import). The supervisor starts each with SIGINT blocked, so the
+    supervisor alone reads it and stops them (status 0). The interrupt is sent once a
+    worker's `-X importtime` says it imported carpool.peers, the parent having done so once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "carpool", "serve", "--workers", "2"]
+        + ["--port", str(free_port())],
+        env=serve_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if sum(x.rstrip().endswith(" carpool.peers") for x in seen) == 2:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 0, rest[-3000:]
+        assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
+        assert "Fatal Python error" not in rest, rest[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does(fake, tmp_path):
     """A Ctrl-C reaches every process of the group: each worker had the terminal's SIGINT and
     its supervisor's SIGTERM, and a second Ctrl-C was uvicorn's force quit in every worker: the

@@ -1081,7 +1081,10 @@ def _sigint_left_to_the_supervisor() -> None:
             "SIGINT left to the supervisor, which stops its workers (to this worker alone: nothing)"
         )
 
+    # Ignored until now, and maybe blocked too (the supervisor's mask as it started this
+    # worker, which a fork keeps): ``supervisor._Worker``.
     signal.signal(signal.SIGINT, said)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _health_checks_answered_by_the_loop() -> None:

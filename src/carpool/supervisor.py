@@ -42,7 +42,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from uvicorn.supervisors import Multiprocess
+from uvicorn.supervisors import Multiprocess, multiprocess
 from uvicorn.supervisors.multiprocess import Process
 
 # The signals that stop the run (uvicorn's supervisor stops on both).
@@ -55,6 +55,34 @@ GLANCE_S = 0.1
 STOP_MARGIN_S = 15.0
 
 log = logging.getLogger("carpool.supervisor")
+
+
+class _Worker(Process):
+    """uvicorn's worker process, started with SIGINT ignored: a Ctrl-C reaches every process of
+    the terminal's group, and a worker still importing its modules (seconds on a slow machine)
+    printed a KeyboardInterrupt traceback (or died in its site import). An ignored signal stays
+    ignored across the exec (a blocked one does not stay blocked), until the worker sets its own
+    handler (``server``'s ``_sigint_left_to_the_supervisor``, which only says it came): the
+    supervisor alone stops the run. Its own SIGINT is blocked meanwhile, so that one sent in
+    those milliseconds waits for its handler, not ignored (Linux keeps a blocked signal); the
+    worker may start with it blocked too, and unblocks it with its handler."""
+
+    def start(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            super().start()  # (no handler to set there; uvicorn starts its workers on the main one)
+            return
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            super().start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+# uvicorn's supervisor makes each worker (at the start, in a dead one's place, on SIGHUP and
+# SIGTTIN) by this module-level name.
+multiprocess.Process = _Worker  # type: ignore[misc]
 
 
 class Supervisor(Multiprocess):
