@@ -16,13 +16,12 @@ from fakes.instances import free_port, serve_log
 
 
 def carpool(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    kw.setdefault("env", {**os.environ, "PYTHONUNBUFFERED": "1"})
     return subprocess.Popen(
         [sys.executable, "-m", "carpool.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
         **kw,
     )
 
@@ -482,6 +481,41 @@ def test_ctrl_c_inside_code_the_import_execs_still_exits_130(tmp_path):
     )
     assert done.returncode == 130, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def _sigint_ignored_in(pid: int) -> bool:
+    """Whether the kernel discards SIGINT for ``pid`` (its ``SigIgn`` mask), as read in /proc."""
+    status = open(f"/proc/{pid}/status").read()
+    ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def _ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "args, started",
+    [
+        (["serve", "--workers", "1"], "Application startup complete"),
+        (["serve", "--workers", "2"], "Application startup complete"),  # (a worker's: after
+        # the supervisor set its handlers)
+        (["sim"], "replica sim-0 on"),
+    ],
+)
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it(args, started):
+    # A shell starts a background job with SIGINT ignored (`carpool serve &` in a script), so
+    # that the terminal's Ctrl-C stops the script and not the job: the handlers of uvicorn's
+    # server and supervisor and of the simulated engine made it a stop again.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_LOG_LEVEL": "info"}
+    process = carpool(*args, "--port", str(free_port()), preexec_fn=_ignoring_sigint, env=env)
+    try:
+        assert process.stdout is not None
+        next(line for line in process.stdout if started in line)
+        assert _sigint_ignored_in(process.pid)
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0
 
 
 def test_an_empty_host_exits_2_naming_host():

@@ -1,9 +1,11 @@
 """``carpool`` (the console script) and ``python -m carpool``: the command line, whose modules
 (``carpool.cli``: the config's models, the commands) take seconds to import on a slow machine.
 A Ctrl-C meanwhile exits 130 (the shell's status for it) at once, with no message; once a
-command runs, click's rule holds ("Aborted!", status 1), but where the command stops on it as on
-a stop (``serve``'s server, 0; ``bench``, 130). ``import carpool`` before it loads nothing (the
-package's names are lazy)."""
+command runs, click's rule holds ("Aborted!", status 1; under ``python -m``, one in a command's
+own imports may then end the process by SIGINT, CPython's reading below), but where the command
+stops on it as on a stop (``serve``'s server, 0; ``bench``, 130), and a SIGINT ignored as the
+process started stays ignored (``carpool.signals``). ``import carpool`` before it loads nothing
+(the package's names are lazy)."""
 
 from __future__ import annotations
 

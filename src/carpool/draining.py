@@ -51,6 +51,7 @@ from typing import Any
 import uvicorn
 
 from .config import Config
+from .signals import keeping_sigint_ignored
 
 log = logging.getLogger("carpool.server")
 
@@ -103,7 +104,8 @@ class DrainingServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         # uvicorn's handles SIGINT and SIGTERM; SIGHUP is added beside them, and put back as
         # it was when they are (signals can only be handled on the main thread).
-        with super().capture_signals():
+        # (SIGINT kept ignored where it was: a background job's, ``carpool.signals``.)
+        with keeping_sigint_ignored(super().capture_signals()):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

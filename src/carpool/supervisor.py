@@ -45,6 +45,8 @@ from typing import Any
 from uvicorn.supervisors import Multiprocess, multiprocess
 from uvicorn.supervisors.multiprocess import Process
 
+from .signals import sigint_ignored
+
 # The signals that stop the run (uvicorn's supervisor stops on both).
 STOPPING = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -89,7 +91,10 @@ class Supervisor(Multiprocess):
     """uvicorn's supervisor, whose health checks end early on a worker's exit or a stop."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        ignored = sigint_ignored()  # (uvicorn's handles every signal it knows)
         super().__init__(*args, **kwargs)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a background job's: ``signals``)
         # Each worker's ping not answered yet, and when its wait ends (``_answers``).
         self._pinged: dict[Process, float] = {}
         # Old workers a restart (or SIGTTOU) stopped and left when a stop came, each with

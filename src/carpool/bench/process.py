@@ -286,7 +286,16 @@ def serve(
     ``limits.client_keepalive``)."""
     import uvicorn
 
-    server = uvicorn.Server(
+    from carpool.signals import keeping_sigint_ignored
+
+    class _Server(uvicorn.Server):
+        # (A bench started with SIGINT ignored, a background job's, starts its servers so.)
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with keeping_sigint_ignored(super().capture_signals()):
+                yield
+
+    server = _Server(
         uvicorn.Config(
             app,
             log_level=log_level,

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from ..signals import stopping
 from .common import config_path, load_config
 
 
@@ -222,7 +223,7 @@ async def _stopped_by_signal(run: Any, stopped_by: list[signal.Signals]) -> Any:
         task.cancel()
 
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in stopping():  # (not SIGINT where it is ignored: a background job's)
         # (No signal handlers on this platform, or not in the main thread: a test's CliRunner.)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop, signum)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from starlette.types import Receive
 
 from carpool.config import SimConfig
 from carpool.config.urls import url_host
+from carpool.signals import stopping
 from carpool.sse import event_frame
 from carpool.upstream.sim import (
     JSON_HEADERS,
@@ -175,7 +175,8 @@ class _ReplicaServer(uvicorn.Server):
 
 
 def _stop_on_signals(servers: Sequence[uvicorn.Server]) -> list[int]:
-    """Make SIGINT/SIGTERM stop every server; returns the signals handled."""
+    """Make SIGINT/SIGTERM stop every server (SIGINT unless ignored: ``carpool.signals``);
+    returns the signals handled."""
     loop = asyncio.get_running_loop()
 
     def stop_all() -> None:
@@ -183,7 +184,7 @@ def _stop_on_signals(servers: Sequence[uvicorn.Server]) -> list[int]:
             server.should_exit = True
 
     handled = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in stopping():  # (not SIGINT where it is ignored: a background job's)
         try:
             loop.add_signal_handler(sig, stop_all)
             handled.append(sig)
