@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fakes.instances import free_port, serve_env, start_serve
+from fakes.instances import free_port, interrupt_when_imported, serve_env, start_serve
 from test_distributed import STEADY_LINK, until_serving
 
 QUESTION = "What do the workers share?"
@@ -764,14 +764,7 @@ def test_ctrl_c_while_the_workers_load_stops_the_run_without_a_traceback():
         start_new_session=True,
     )
     try:
-        assert proc.stderr is not None
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if sum(x.rstrip().endswith(" carpool.peers") for x in seen) == 2:
-                os.killpg(proc.pid, signal.SIGINT)
-                break
-        rest = proc.stderr.read()
+        _, rest = interrupt_when_imported(proc, "carpool.peers", nth=2, group=True)
         assert proc.wait(60) == 0, rest[-3000:]
         assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
         assert "Fatal Python error" not in rest, rest[-3000:]

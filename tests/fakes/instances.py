@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,26 @@ def start_serve(
             stderr=subprocess.STDOUT,
             start_new_session=own_group,
         )
+
+
+def interrupt_when_imported(
+    proc: subprocess.Popen[str], module: str, nth: int = 1, group: bool = False
+) -> tuple[str, str]:
+    """Read ``proc``'s standard error (run with ``-X importtime``) until it says ``module``
+    loaded for the ``nth`` time (a worker's after its parent's: ``nth=2``), then send it SIGINT
+    (to its whole group with ``group``, as a terminal's Ctrl-C); what it said before, and after
+    (once it closed its standard error)."""
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if sum(x.rstrip().endswith(f" {module}") for x in seen) == nth:
+            if group:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
+            break
+    return "".join(seen), proc.stderr.read()
 
 
 def serve_log(
