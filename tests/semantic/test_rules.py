@@ -347,8 +347,23 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
         ("How do I write a -> b in Rust?", "In Rust, how do I write a -> b?"),
         # (A prefix has no operand on its spaced side: a true rewording was refused so.)
         ("Its arguments are url, and **kwargs.", "Its arguments are url, and more in **kwargs."),
+        # Prose beside an operator asked about is no operand, and a commutative operator's
+        # operands may change places (a review: refused by the first version, 0.94-0.99).
+        ("When should I use === in JavaScript?", "In JavaScript, when should I use ===?"),
+        ("What does the ?? operator do in C#?", "What does ?? do in C#?"),
+        ("What is 3 + 5?", "What is 5 + 3?"),
+        ("Is 7 == 7.0 in Python?", "Is 7.0 == 7 in Python?"),
     ):
         assert passes(operators.RULE, a, b), (a, b)
+    # Subscripted and quoted operands are read whole.
+    for a, b in (
+        (
+            "Why is arr[j] > arr[j+1] true in my bubble sort?",
+            "Why is arr[j+1] > arr[j] true in my bubble sort?",
+        ),
+        ('Is "apple" < "banana" in Python?', 'Is "banana" < "apple" in Python?'),
+    ):
+        assert refused(a, b) == "operator", (a, b)
 
 
 def test_operators_word_operators_between_names_of_code_and_their_grouping_are_refused():
@@ -598,9 +613,17 @@ def test_quoted_code_with_the_same_punctuation_and_prose_punctuation_pass():
         ("How do I use print() in Python?", "How do I use print() in Python"),
         ("What does x = [1, 2] do?", "What does x = [1, 2] do."),
         ("In Python, what does len(x) return?", "In Python what does len(x) return?"),
-        # The same code where the prose moved around it.
+        # The same code where the prose moved around it, spaced otherwise (a review: refused
+        # by the first version of the rule below, 0.87-0.99).
         ("What is len(), in Python?", "In Python, what is len()?"),
         ("How do I use print(x) in Python", "In Python how do I use print(x)"),
+        ("In Python, how do I call max(a, b)?", "How do I call max(a,b) in Python?"),
+        (
+            "What does np.zeros((3, 3)) create in NumPy?",
+            "In NumPy, what does np.zeros((3,3)) create?",
+        ),
+        ("In pandas, what does df.iloc[0:5] return?", "What does df.iloc[0 : 5] return in pandas?"),
+        ("What is round(2.5) in Python: 2 or 3?", "In Python, what is round(2.5): 2 or 3?"),
     ):
         assert passes(quoted.RULE, a, b), (a, b)
 
@@ -948,8 +971,38 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
             "Should she forgive her ex-husband's new wife?",
             "Should her ex-husband's new wife forgive her?",
         ),
+        # The verb agreeing with the other person ("has" / "have", "was" / "were", "does" /
+        # "do") or contracted with the pronoun ("I'm", "I've") (a review: served, 0.98-0.99).
+        ("My friend's dog has bitten me twice", "I have bitten my friend's dog twice"),
+        ("My friend's kids were bullying me", "I was bullying my friend's kids"),
+        (
+            "Does my landlord's agent owe me the deposit?",
+            "Do I owe my landlord's agent the deposit?",
+        ),
+        ("My ex's family has blocked me on Facebook", "I've blocked my ex's family on Facebook"),
+        ("I'm suing my ex-husband's new wife", "My ex-husband's new wife is suing me"),
     ):
         assert refused(a, b) == "order", (a, b)
+    # Saying which is which reads the same either way round.
+    for a, b in (
+        (
+            "I am the executor of my dad's will. What do I need to do?",
+            "The executor of my dad's will is me. What do I need to do?",
+        ),
+        ("I'm tired of my job", "I am tired of my job"),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+    # A clause joined by "and" / "but" / "so" before a pronoun says the other pronoun once the
+    # roles before it are exchanged: the sentence read whole passed (0.98, served).
+    for a, b in (
+        ("I lent my friend money and he spent it", "My friend lent me money and I spent it"),
+        ("My boss yelled at me but I stayed calm", "I yelled at my boss but he stayed calm"),
+        ("My sister hit me so I told my dad", "I hit my sister so she told my dad"),
+    ):
+        assert refused(a, b) == "order", (a, b)
+    assert passes(
+        order.RULE, "I called my mom and she answered", "I called my mom and she picked up"
+    )
     # A middle that only joins the two exchanges no role.
     for a, b in (
         ("I and my brother went to Paris", "My brother and I went to Paris"),

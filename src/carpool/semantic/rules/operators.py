@@ -147,34 +147,45 @@ def _end_run(text: str) -> tuple[str, bool]:
 
 #: An operand beside an operator: read forward after it, and backward (reversed) before it,
 #: anchored and within :data:`_REACH` characters (searched for from the text's start, each
-#: operator's took time quadratic in a long run of letters).
-_RIGHT = re.compile(r"\s*\(*[\w.]+")
-_LEFT_REVERSED = re.compile(r"\s*\)*[\w.]+")
+#: operator's took time quadratic in a long run of letters); a subscript or quotes with it.
+_RIGHT = re.compile(r"\s*\(*['\"]?[\w.]+['\"]?(?:\[[^\[\]]{0,32}\])*")
+_LEFT_REVERSED = re.compile(r"\s*\)*(?:\][^\[\]]{0,32}\[)*['\"]?[\w.]+['\"]?")
 _REACH = 64
+#: What code names: a number, one letter, a name with a digit, an underscore, a dot, a
+#: subscript or quotes ("arr[j]", "x1", "'a'"); not a word of prose ("When should I use ===
+#: in JavaScript?" / "In JavaScript, when should I use ===?" name no operands).
+_CODE_OPERAND = re.compile(r"[(\s]*+(?:\d[\w.]*|[A-Za-z]|\S*[\d_.\['\"]\S*)[)\s]*+")
+#: Operators whose operands may change places ("3 + 5" / "5 + 3").
+_COMMUTATIVE = frozenset({"+", "*", "==", "!=", "===", "!==", "&", "|", "&&", "||", "^"})
+
+
+def _operand(found: re.Match[str] | None, reversed_: bool = False) -> str:
+    """An operand's text, without spaces, or "" when there is none or it is prose."""
+    if found is None:
+        return ""
+    text = found.group()[::-1] if reversed_ else found.group()
+    return "".join(text.split()) if _CODE_OPERAND.fullmatch(text) else ""
 
 
 @memo
-def _operands(text: str) -> tuple[tuple[str, str, str], ...]:
+def _operands(text: str) -> tuple[tuple[str, ...], ...]:
     """Each operator symbol with the names or numbers beside it ("x = y + 1": ``x = y``, ``y +
-    1``): the same operators between other operands are another expression."""
+    1``; a commutative one's in either order): the same operators between other operands are
+    another expression."""
     text = _PROSE.sub(" ", norm(text))
     found = []
     for m in _SYMBOL.finditer(text):
         before = text[max(0, m.start() - _REACH) : m.start()][::-1]
-        left = _LEFT_REVERSED.match(before)
-        right = _RIGHT.match(text, m.end(), m.end() + _REACH)
+        left = _operand(_LEFT_REVERSED.match(before), reversed_=True)
+        right = _operand(_RIGHT.match(text, m.end(), m.end() + _REACH))
         # Spaced on one side only, it is a prefix or a suffix ("and **kwargs", "!x"): the word
         # on its spaced side is no operand.
         spaced_before = text[m.start() - 1 : m.start()].isspace()
         if spaced_before != text[m.end() : m.end() + 1].isspace():
-            left, right = (None, right) if spaced_before else (left, None)
-        found.append(
-            (
-                "".join(left.group()[::-1].split()) if left else "",
-                m.group(),
-                "".join(right.group().split()) if right else "",
-            )
-        )
+            left, right = ("", right) if spaced_before else (left, "")
+        if m.group() in _COMMUTATIVE:
+            left, right = sorted((left, right))
+        found.append((left, m.group(), right))
     return tuple(found)
 
 

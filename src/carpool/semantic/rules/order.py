@@ -145,8 +145,14 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
 PERSONS = frozenset({"i", "he", "she", "we", "they"})
 _CASES = {
     **{"me": "i", "him": "he", "her": "she", "us": "we", "them": "they"},
-    **{"am": "be", "is": "be", "are": "be"},
+    # (The verb agreeing with the other person, its tense aside: "My friend's kids were bullying
+    # me" / "I was bullying my friend's kids", "has" / "have", "does" / "do".)
+    **dict.fromkeys(("am", "is", "are", "was", "were"), "be"),
+    **{"has": "have", "does": "do", "doesn't": "don't", "hasn't": "haven't", "wasn't": "weren't"},
 }
+#: "I'm", "we've", "they're": the pronoun and its verb, as "I am" says them.
+_CONTRACTED = re.compile(r"(?i)\b(i|you|we|they)['\u2019](m|ve|re)\b")
+_UNCONTRACTED = {"m": "am", "ve": "have", "re": "are"}
 #: Possessives dropped: "my brother" is the brother whoever's he is ("I owe my brother").
 _POSSESSIVES = frozenset({"my", "our", "their", "his"})
 #: (From a run's start, read whole: "!" * 4,095 + "x" was tried from every mark, 0.4 s.)
@@ -155,7 +161,12 @@ _SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
 #: appealed"), while a word said again elsewhere ("what visa does the wife need?") is no role.
 _PIECES = re.compile(r"[,;:!?]|\.(?!\w)")
 #: The same, and an ellipsis or a dash between words ("...suing me - what should I do?").
-_CLAUSE = re.compile(_PIECES.pattern + r"|\u2026|\s[-\u2013\u2014]+\s")
+#: And "and" / "but" / "so" before a subject pronoun: "I lent my friend money and he spent
+#: it" exchanges its roles in the first clause, the second saying the other pronoun.
+_CLAUSE = re.compile(
+    _PIECES.pattern
+    + r"|\u2026|\s[-\u2013\u2014]+\s|(?i:\s(?:and|but|so)\s(?=(?:i|he|she|we|they)\b))"
+)
 
 
 def _folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
@@ -164,7 +175,9 @@ def _folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
     i", "I owe my brother" is "i owe brother". With ``hers``, "her" before a word that is no
     stop word is a possessive ("She fired her boss"), else a person ("He owes her money")."""
     folded = []
-    words = lower_words(sentence)
+    words = lower_words(
+        _CONTRACTED.sub(lambda m: f"{m[1]} {_UNCONTRACTED[m[2].lower()]}", sentence)
+    )
     for k, w in enumerate(words):
         if w in _POSSESSIVES or (
             hers and w == "her" and k + 1 < len(words) and words[k + 1] not in STOP

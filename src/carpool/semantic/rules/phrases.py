@@ -8,7 +8,8 @@ police are chasing me" / "I am chasing the police". Here the words (as :mod:`.or
 pronouns in their subject case, no possessive) around the exchange are the same on both sides,
 and what is left is a pronoun, the same middle, and a phrase of up to :data:`LONGEST` words, in
 one order on one side and in the other order on the other: ``p M Y`` / ``Y M p``. A middle that
-only joins the two ("I and my brother" / "my brother and I") exchanges no role.
+only joins the two ("I and my brother" / "my brother and I"), or only says which is which ("I am
+the executor of my dad's will" / "The executor of my dad's will is me"), exchanges no role.
 
 An owner and what it owns exchanged, two neighbours: "the solvent's solute" / "the solute's
 solvent", "my wife's brother" / "my brother's wife". Neighbours exchanged pass :mod:`.order`
@@ -67,8 +68,9 @@ def _at_the_ends(
                 middle, again, there = x[1:-size], y[size:-1], y[:size]
             else:
                 middle, again, there = x[size:-1], y[1:-size], y[-size:]
-            if there == phrase and middle == again and middle and not joined(middle):
-                return True
+            if there == phrase and middle == again and middle not in ((), ("be",)):
+                if not joined(middle):  # ("be" alone says who is who either way round)
+                    return True
     return False
 
 

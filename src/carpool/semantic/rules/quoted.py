@@ -219,9 +219,30 @@ def _code_chunks(text: str) -> Counter[str] | None:
     return Counter(c for c in chunks if _CODE_MARK.search(c))
 
 
-def _loose(chunks: Counter[str]) -> Counter[str]:
-    """Code chunks without a comma at their end ("In Python, len()" / "len(), in Python")."""
-    return Counter(c.rstrip(",") for c in chunks.elements())
+#: Where a call or a subscript begins: a name (dots in it) and its bracket.
+_CALL = re.compile(r"[\w.]+[(\[]")
+_CLOSE = {"(": ")", "[": "]"}
+
+
+@memo
+def _calls(text: str) -> Counter[str]:
+    """Each call or subscript of the code, outermost, whole and without spaces ("max(a, b)" is
+    "max(a,b)", "np.zeros((3, 3))" "np.zeros((3,3))"): what it says, wherever the prose puts it
+    and however it spaces it. (Read once, left to right: a nested call is inside its outer one.)"""
+    text = norm(text)
+    found: Counter[str] = Counter()
+    at = 0
+    while (m := _CALL.search(text, at)) is not None:
+        depth, end = 0, m.end() - 1
+        while end < len(text):
+            mark = text[end]
+            depth += 1 if mark in "([" else -1 if mark in ")]" else 0
+            end += 1
+            if depth == 0:
+                break
+        found["".join(text[m.start() : end].split())] += 1
+        at = end
+    return found
 
 
 @memo
@@ -238,7 +259,7 @@ def differs(a: str, b: str) -> bool:
         wa, wb = lower_words(a), lower_words(b)
         if wa == wb:
             return True  # the same words, the code's punctuation changed
-        if Counter(wa) == Counter(wb) and _loose(ca) != _loose(cb):
+        if Counter(wa) == Counter(wb) and _calls(a) != _calls(b):
             return True  # the same words moved in the code: "f(g(x))" / "g(f(x))"
     if regrouped(a, b):
         return True
