@@ -488,24 +488,37 @@ def _ignoring_sigint() -> None:
 
 
 @pytest.mark.parametrize(
-    "args, started",
+    "args, started, times",
     [
-        (["serve", "--workers", "1"], "Application startup complete"),
-        (["serve", "--workers", "2"], "Application startup complete"),  # (a worker's: after
-        # the supervisor set its handlers)
-        (["sim"], "replica sim-0 on"),
+        (["serve", "--workers", "1"], "Application startup complete", 1),
+        (["serve", "--workers", "2"], "Application startup complete", 2),  # (the workers':
+        # after the supervisor set its handlers)
+        (["sim"], "replica sim-0 on", 1),
     ],
 )
-def test_a_command_started_with_sigint_ignored_keeps_ignoring_it(args, started):
+def test_a_command_started_with_sigint_ignored_keeps_ignoring_it(args, started, times):
     # A shell starts a background job with SIGINT ignored (`carpool serve &` in a script), so
     # that the terminal's Ctrl-C stops the script and not the job: the handlers of uvicorn's
-    # server and supervisor and of the simulated engine made it a stop again.
+    # server and supervisor and of the simulated engine made it a stop again (and each worker
+    # said it left one to its supervisor, which ignored it).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CARPOOL_LOG_LEVEL": "info"}
     process = carpool(*args, "--port", str(free_port()), preexec_fn=_ignoring_sigint, env=env)
     try:
         assert process.stdout is not None
-        next(line for line in process.stdout if started in line)
+        seen = 0
+        for line in process.stdout:
+            seen += started in line
+            if seen == times:
+                break
         assert _sigint_ignored_in(process.pid)
+        workers = [
+            kid
+            for task in os.listdir(f"/proc/{process.pid}/task")
+            for kid in map(int, open(f"/proc/{process.pid}/task/{task}/children").read().split())
+            if b"resource_tracker" not in open(f"/proc/{kid}/cmdline", "rb").read()
+        ]
+        assert len(workers) == (times if "--workers" in args and times > 1 else 0), workers
+        assert all(_sigint_ignored_in(pid) for pid in workers)
     finally:
         process.terminate()
         assert process.wait(30) == 0

@@ -745,7 +745,7 @@ async def test_a_worker_started_during_the_run_admits_the_client_keys_the_run_st
 def test_ctrl_c_while_the_workers_load_stops_the_run_without_a_traceback():
     """A Ctrl-C reaches every process of the group, and a worker still importing its modules
     (seconds on a slow machine) printed a KeyboardInterrupt traceback each (or "Fatal Python
-    error" in its site import). The supervisor starts each with SIGINT blocked, so the
+    error" in its site import). The supervisor starts each with SIGINT ignored, so the
     supervisor alone reads it and stops them (status 0). The interrupt is sent once a
     worker's `-X importtime` says it imported carpool.peers, the parent having done so once."""
     import os
@@ -771,6 +771,41 @@ def test_ctrl_c_while_the_workers_load_stops_the_run_without_a_traceback():
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_ctrl_c_as_the_supervisor_starts_its_first_worker_stops_the_run(tmp_path):
+    """The supervisor ignores SIGINT while it starts a worker (which inherits that), blocked so
+    that one sent meanwhile waits; but multiprocessing's resource tracker, started with the
+    first worker, unblocked it, and a Ctrl-C then was lost: the run served on. Here the
+    supervisor sends itself SIGINT as it spawns its first worker (a sitecustomize wraps
+    multiprocessing's spawn)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "from multiprocessing import util\n"
+        "spawn = util.spawnv_passfds\n"
+        "def interrupted(path, args, passfds):\n"
+        "    if any('spawn_main' in str(a) for a in args) and not os.environ.get('SENT'):\n"
+        "        os.environ['SENT'] = '1'  # (once; its workers inherit it)\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return spawn(path, args, passfds)\n"
+        "util.spawnv_passfds = interrupted\n"
+    )
+    env = serve_env({"log_level": "info"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "carpool", "serve", "--workers", "2", "--port", str(free_port())],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Received SIGINT, exiting" in done.stderr, done.stderr[-3000:]
 
 
 async def test_ctrl_c_twice_lets_the_workers_requests_finish_as_one_process_does(fake, tmp_path):

@@ -163,7 +163,13 @@ from .admin_http import admin_routes
 from .admin_http import error as admin_error
 from .apis import BY_PATH, Api, api_at
 from .auth import ClientKeys, presented_anywhere, presents
-from .config.loader import CONFIG_FILE_VARIABLE, PARENT_VARIABLE, RUN_VARIABLE, load_resolved
+from .config.loader import (
+    CONFIG_FILE_VARIABLE,
+    PARENT_VARIABLE,
+    RUN_VARIABLE,
+    SIGINT_IGNORED_VARIABLE,
+    load_resolved,
+)
 from .draining import grace_cut_at_info
 from .errors import (
     AdminRequired,
@@ -1081,9 +1087,11 @@ def _sigint_left_to_the_supervisor() -> None:
             "SIGINT left to the supervisor, which stops its workers (to this worker alone: nothing)"
         )
 
-    # Ignored until now, and maybe blocked too (the supervisor's mask as it started this
-    # worker, which a fork keeps): ``supervisor._Worker``.
-    signal.signal(signal.SIGINT, said)
+    # Ignored until now, and blocked too (the supervisor's mask as it started this worker):
+    # ``supervisor._Worker``. Ignored again where the supervisor ignores it (a background job),
+    # in place of uvicorn's handler, as the worker's is here.
+    ignored = bool(os.environ.get(SIGINT_IGNORED_VARIABLE))
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else said)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 

@@ -34,17 +34,20 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import pickle
 import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from typing import Any
 
 from uvicorn.supervisors import Multiprocess, multiprocess
 from uvicorn.supervisors.multiprocess import Process
 
+from .config.loader import SIGINT_IGNORED_VARIABLE
 from .signals import sigint_ignored
 
 # The signals that stop the run (uvicorn's supervisor stops on both).
@@ -63,23 +66,29 @@ class _Worker(Process):
     """uvicorn's worker process, started with SIGINT ignored: a Ctrl-C reaches every process of
     the terminal's group, and a worker still importing its modules (seconds on a slow machine)
     printed a KeyboardInterrupt traceback (or died in its site import). An ignored signal stays
-    ignored across the exec (a blocked one does not stay blocked), until the worker sets its own
-    handler (``server``'s ``_sigint_left_to_the_supervisor``, which only says it came): the
-    supervisor alone stops the run. Its own SIGINT is blocked meanwhile, so that one sent in
-    those milliseconds waits for its handler, not ignored (Linux keeps a blocked signal); the
-    worker may start with it blocked too, and unblocks it with its handler."""
+    ignored across the exec, until the worker sets its own handler (``server``'s
+    ``_sigint_left_to_the_supervisor``, which only says it came): the supervisor alone stops the
+    run. Its own SIGINT is blocked meanwhile, so that one sent in those milliseconds waits for
+    its handler (Linux keeps a blocked signal even while it is ignored), and one pending as it
+    is ignored (which that discards) is raised again after; the worker starts with it blocked
+    too, and unblocks it with its handler. multiprocessing's resource tracker is started first:
+    starting, it unblocks SIGINT."""
 
     def start(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             super().start()  # (no handler to set there; uvicorn starts its workers on the main one)
             return
+        resource_tracker.ensure_running()
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        pending = signal.SIGINT in signal.sigpending()
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             super().start()
         finally:
             signal.signal(signal.SIGINT, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if pending and handler not in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.raise_signal(signal.SIGINT)  # (to its handler: the supervisor's queue)
 
 
 # uvicorn's supervisor makes each worker (at the start, in a dead one's place, on SIGHUP and
@@ -93,8 +102,9 @@ class Supervisor(Multiprocess):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         ignored = sigint_ignored()  # (uvicorn's handles every signal it knows)
         super().__init__(*args, **kwargs)
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a background job's: ``signals``)
+        if ignored:  # (a background job's: ``signals``; its workers are told to ignore it too)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.environ[SIGINT_IGNORED_VARIABLE] = "1"
         # Each worker's ping not answered yet, and when its wait ends (``_answers``).
         self._pinged: dict[Process, float] = {}
         # Old workers a restart (or SIGTTOU) stopped and left when a stop came, each with

@@ -86,8 +86,18 @@ PARENT_VARIABLE = "CARPOOL_PARENT"
 # The Redis/Valkey server binary that `carpool bench` and the tests start (``bench.redis_server``):
 # not a key (set in a shell, every other command refused to start).
 REDIS_SERVER_VARIABLE = "CARPOOL_REDIS_SERVER"
+# Set by ``carpool serve --workers N`` started with SIGINT ignored (a background job's): its
+# workers keep ignoring it too (``supervisor``, ``server``): not a key.
+SIGINT_IGNORED_VARIABLE = "CARPOOL_SIGINT_IGNORED"
 NOT_KEYS = frozenset(
-    {CONFIG_FILE_VARIABLE, PEERS_VARIABLE, RUN_VARIABLE, PARENT_VARIABLE, REDIS_SERVER_VARIABLE}
+    {
+        CONFIG_FILE_VARIABLE,
+        PEERS_VARIABLE,
+        RUN_VARIABLE,
+        PARENT_VARIABLE,
+        REDIS_SERVER_VARIABLE,
+        SIGINT_IGNORED_VARIABLE,
+    }
 )
 NESTED_DELIMITER = "__"
 
