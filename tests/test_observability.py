@@ -659,6 +659,10 @@ async def test_the_operators_documents_and_their_refusals_say_no_store(gateway_w
             response.request.url,
             response.status_code,
         )
+    # Nor read as another type than it says (a namespace named "<script>..." is in /stats and
+    # /metrics: JSON and text, never a page; only /dashboard said nosniff).
+    for response in asked[:2]:
+        assert response.headers.get("x-content-type-options") == "nosniff", response.request.url
 
 
 def test_the_duration_buckets_tell_a_hit_of_tens_of_microseconds_from_one_of_hundreds():

@@ -1013,7 +1013,8 @@ def _host_allowed(value: bytes, allowed: frozenset[str]) -> bool:
 # The operator's documents (/stats, /metrics, /admin/*) and their refusals: a shared cache that
 # keeps an answer without a directive for a default time (Varnish: 120 s) would serve one
 # operator's figures, stale, to the next (with a token, RFC 9111 3.5 keeps it off already).
-NOT_KEPT = {"cache-control": "no-store"}
+# And never read as another type: they carry names clients chose (a namespace "<script>...").
+NOT_KEPT = {"cache-control": "no-store", "x-content-type-options": "nosniff"}
 
 
 def _admin_refusal(gateway: Gateway, request: HttpRequest) -> Response | None:
