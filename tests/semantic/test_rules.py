@@ -353,8 +353,22 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
         ("What does the ?? operator do in C#?", "What does ?? do in C#?"),
         ("What is 3 + 5?", "What is 5 + 3?"),
         ("Is 7 == 7.0 in Python?", "Is 7.0 == 7 in Python?"),
+        ("Why use !== instead of != in JS?", "In JS, why use !== instead of !=?"),
+        ("How do I use the -> operator in C++?", "In C++, how do I use ->?"),
     ):
         assert passes(operators.RULE, a, b), (a, b)
+    # Names of code are operands whatever they spell, and "^" (a power in prose) is not
+    # commutative (a review of the first version: served, 0.96-0.99).
+    for a, b in (
+        ("Is count < limit in this loop?", "Is limit < count in this loop?"),
+        (
+            "Why does speed = distance / time give inf?",
+            "Why does speed = time / distance give inf?",
+        ),
+        ("Why is balance -= amount wrong here?", "Why is amount -= balance wrong here?"),
+        ("What is 2^3?", "What is 3^2?"),
+    ):
+        assert refused(a, b) == "operator", (a, b)
     # Subscripted and quoted operands are read whole.
     for a, b in (
         (
@@ -983,15 +997,29 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
         ("I'm suing my ex-husband's new wife", "My ex-husband's new wife is suing me"),
     ):
         assert refused(a, b) == "order", (a, b)
-    # Saying which is which reads the same either way round.
+    # Saying which is which, or a relation that holds both ways round, reads the same either
+    # way (a review: "I'm married to my cousin" / "My cousin is married to me" refused, 0.989).
     for a, b in (
         (
             "I am the executor of my dad's will. What do I need to do?",
             "The executor of my dad's will is me. What do I need to do?",
         ),
         ("I'm tired of my job", "I am tired of my job"),
+        ("I'm married to my cousin, is that legal?", "My cousin is married to me, is that legal?"),
+        ("I'm dating my coworker, is that allowed?", "My coworker is dating me, is that allowed?"),
+        (
+            "I'm the same age as my stepmom, is that weird?",
+            "My stepmom is the same age as me, is that weird?",
+        ),
     ):
         assert passes(order.RULE, a, b), (a, b)
+    # "'ll" and "'d" are "will" and "would" (a review: served, 0.95-0.99).
+    for a, b in (
+        ("I'll pay my brother back next month", "My brother will pay me back next month"),
+        ("I'd marry my cousin if it were legal", "My cousin would marry me if it were legal"),
+        ("She'll divorce him if he cheats", "He'll divorce her if she cheats"),
+    ):
+        assert refused(a, b) == "order", (a, b)
     # A clause joined by "and" / "but" / "so" before a pronoun says the other pronoun once the
     # roles before it are exchanged: the sentence read whole passed (0.98, served).
     for a, b in (
@@ -1056,8 +1084,13 @@ def test_order_roles_exchanged_in_one_clause_of_several_are_refused():
             "Company X sued company Y for breach of contract; what can company X recover?",
             "Company Y sued company X for breach of contract; what can company X recover?",
         ),
+        # (Joined on one side only: it was refused one way round, served the other, 0.994.)
+        (
+            "I know Python and Python is easier than Java, right?",
+            "I know Python and Java is easier than Python, right?",
+        ),
     ):
-        assert order.RULE.differs(a, b), (a, b)
+        assert order.RULE.differs(a, b) and order.RULE.differs(b, a), (a, b)
         assert refused(a, b) == "order", (a, b)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 
 from ..verdict import Reason, Rule
-from .text import memo, norm
+from .text import STOP, memo, norm
 
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
@@ -151,20 +151,24 @@ def _end_run(text: str) -> tuple[str, bool]:
 _RIGHT = re.compile(r"\s*\(*['\"]?[\w.]+['\"]?(?:\[[^\[\]]{0,32}\])*")
 _LEFT_REVERSED = re.compile(r"\s*\)*(?:\][^\[\]]{0,32}\[)*['\"]?[\w.]+['\"]?")
 _REACH = 64
-#: What code names: a number, one letter, a name with a digit, an underscore, a dot, a
-#: subscript or quotes ("arr[j]", "x1", "'a'"); not a word of prose ("When should I use ===
-#: in JavaScript?" / "In JavaScript, when should I use ===?" name no operands).
-_CODE_OPERAND = re.compile(r"[(\s]*+(?:\d[\w.]*|[A-Za-z]|\S*[\d_.\['\"]\S*)[)\s]*+")
-#: Operators whose operands may change places ("3 + 5" / "5 + 3").
-_COMMUTATIVE = frozenset({"+", "*", "==", "!=", "===", "!==", "&", "|", "&&", "||", "^"})
+#: Words beside an operator that only talk about it ("When should I use === in JavaScript?" /
+#: "In JavaScript, when should I use ===?" name no operands), with the stop words.
+_TALK = frozenset(
+    """operator operators symbol sign use using used vs versus instead mean means meaning
+    write type""".split()
+)
+#: Operators whose operands may change places: equality, and + or * between two numbers
+#: ("3 + 5" / "5 + 3"; "'ab' + 'cd'" is another string).
+_EQUALITY = frozenset({"==", "!=", "===", "!=="})
+_NUMBER = re.compile(r"\(*\d[\d.]*\)*")
 
 
 def _operand(found: re.Match[str] | None, reversed_: bool = False) -> str:
     """An operand's text, without spaces, or "" when there is none or it is prose."""
     if found is None:
         return ""
-    text = found.group()[::-1] if reversed_ else found.group()
-    return "".join(text.split()) if _CODE_OPERAND.fullmatch(text) else ""
+    text = "".join((found.group()[::-1] if reversed_ else found.group()).split())
+    return "" if text.lower() in _TALK or text.lower() in STOP else text
 
 
 @memo
@@ -183,7 +187,9 @@ def _operands(text: str) -> tuple[tuple[str, ...], ...]:
         spaced_before = text[m.start() - 1 : m.start()].isspace()
         if spaced_before != text[m.end() : m.end() + 1].isspace():
             left, right = ("", right) if spaced_before else (left, "")
-        if m.group() in _COMMUTATIVE:
+        if m.group() in _EQUALITY or (
+            m.group() in ("+", "*") and _NUMBER.fullmatch(left) and _NUMBER.fullmatch(right)
+        ):
             left, right = sorted((left, right))
         found.append((left, m.group(), right))
     return tuple(found)

@@ -56,7 +56,14 @@ from collections import Counter
 
 from ..verdict import Reason, Rule
 from .directions import reversed_direction
-from .phrases import exchanged_with_a_phrase, owner_exchanged
+from .phrases import (
+    PERSONS,
+    SYMMETRIC,
+    exchanged_with_a_phrase,
+    folded,
+    owner_exchanged,
+    pronouns_exchanged,
+)
 from .text import STOP, lower_words, memo, norm
 
 SLACK = 2
@@ -97,7 +104,7 @@ def _mismatches(x: tuple[str, ...], y: tuple[str, ...], cap: int) -> int:
 @memo
 def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> bool:
     """One exchange of two words makes ``a`` nearly ``b``; with ``roles``, one of them a
-    pronoun of :data:`PERSONS` (the words folded by :func:`_folded`)."""
+    pronoun of :data:`PERSONS` (the words folded by :func:`.phrases.folded`)."""
     if abs(len(a) - len(b)) > SLACK:  # no exchange brings them within SLACK words
         return False
     count_a, count_b = Counter(a), Counter(b)
@@ -141,20 +148,6 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
     return False
 
 
-#: Pronouns in their subject form: "me" is "i", "him" is "he"; a role taken by a pronoun.
-PERSONS = frozenset({"i", "he", "she", "we", "they"})
-_CASES = {
-    **{"me": "i", "him": "he", "her": "she", "us": "we", "them": "they"},
-    # (The verb agreeing with the other person, its tense aside: "My friend's kids were bullying
-    # me" / "I was bullying my friend's kids", "has" / "have", "does" / "do".)
-    **dict.fromkeys(("am", "is", "are", "was", "were"), "be"),
-    **{"has": "have", "does": "do", "doesn't": "don't", "hasn't": "haven't", "wasn't": "weren't"},
-}
-#: "I'm", "we've", "they're": the pronoun and its verb, as "I am" says them.
-_CONTRACTED = re.compile(r"(?i)\b(i|you|we|they)['\u2019](m|ve|re)\b")
-_UNCONTRACTED = {"m": "am", "ve": "have", "re": "are"}
-#: Possessives dropped: "my brother" is the brother whoever's he is ("I owe my brother").
-_POSSESSIVES = frozenset({"my", "our", "their", "his"})
 #: (From a run's start, read whole: "!" * 4,095 + "x" was tried from every mark, 0.4 s.)
 _SENTENCE = re.compile(r"(?<![.?!;])[.?!;]++(?:\s|$)")
 #: Clauses: a role is exchanged within one ("The landlord evicted the tenant, and the tenant
@@ -167,27 +160,6 @@ _CLAUSE = re.compile(
     _PIECES.pattern
     + r"|\u2026|\s[-\u2013\u2014]+\s|(?i:\s(?:and|but|so)\s(?=(?:i|he|she|we|they)\b))"
 )
-
-
-def _folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
-    """The words of ``sentence`` with pronouns in one case, no possessive, a final -s dropped (a
-    verb's agreement; a plural's too, on both sides alike): "My brother owes me" is "brother owe
-    i", "I owe my brother" is "i owe brother". With ``hers``, "her" before a word that is no
-    stop word is a possessive ("She fired her boss"), else a person ("He owes her money")."""
-    folded = []
-    words = lower_words(
-        _CONTRACTED.sub(lambda m: f"{m[1]} {_UNCONTRACTED[m[2].lower()]}", sentence)
-    )
-    for k, w in enumerate(words):
-        if w in _POSSESSIVES or (
-            hers and w == "her" and k + 1 < len(words) and words[k + 1] not in STOP
-        ):
-            continue
-        w = _CASES.get(w, w)
-        if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
-            w = w[:-1]
-        folded.append(w)
-    return tuple(folded)
 
 
 def _roles(a: str, b: str) -> bool:
@@ -203,29 +175,18 @@ def _roles(a: str, b: str) -> bool:
             # "her" read both ways, each side: "She fired her boss" / "Her boss fired her",
             # "He owes her money" / "She owes him money".
             for hers_x, hers_y in ((False, False), (True, True), (True, False), (False, True)):
-                fx, fy = _folded(x, hers_x), _folded(y, hers_y)
+                fx, fy = folded(x, hers_x), folded(y, hers_y)
+                if SYMMETRIC.intersection(fx) and SYMMETRIC.intersection(fy):
+                    break  # ("married to", "friends with": the same either way round)
                 if fx != fy and (
                     _swapped(fx, fy, True)
                     or _swapped(fy, fx, True)
-                    or _exchanged(fx, fy)
+                    or pronouns_exchanged(fx, fy)
                     or exchanged_with_a_phrase(fx, fy, PERSONS, _joined)
                 ):
                     return True
                 if "her" not in lower_words(x) + lower_words(y):
                     break  # (no "her": one reading)
-    return False
-
-
-def _exchanged(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    """Two pronouns, both on each side, exchanged wherever they stand: "She asked him to marry
-    her" / "He asked her to marry him" (each said twice, so no one-word exchange reads it)."""
-    if len(a) != len(b):
-        return False
-    pronouns = PERSONS & set(a) & set(b)
-    for x in pronouns:
-        for y in pronouns:
-            if x < y and tuple(y if w == x else x if w == y else w for w in a) == b:
-                return True
     return False
 
 
@@ -287,6 +248,7 @@ def differs(a: str, b: str) -> bool:
         _swapped(wa, wb)
         or _swapped(wb, wa)
         or _renamed(wa, wb)
+        or _renamed(wb, wa)
         or reversed_direction(a, b)
         or reversed_direction(b, a)
         or _roles(a, b)

@@ -1,5 +1,10 @@
-"""Phrases exchanged, for :mod:`.order`: a role between a pronoun and a phrase, an owner and
-what it owns.
+"""Roles, for :mod:`.order`: a sentence folded for its roles, pronouns exchanged, a role between
+a pronoun and a phrase, an owner and what it owns.
+
+``folded(sentence)`` is the roles reading's words (pronouns in their subject case, no
+possessive, a verb's agreement and tense aside, "I'm" as "I am"). A clause with a symmetric
+predicate ("married to", "dating", "friends with", "the same age as") names no role: "I'm
+married to my cousin" / "My cousin is married to me" say the same.
 
 :mod:`.order` reads a role taken by a pronoun through one word exchanged with it ("My landlord
 is suing me" / "I am suing my landlord": "me" and "landlord"), so a role named by more words
@@ -23,7 +28,63 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection
 
-from .text import norm
+from .text import STOP, lower_words, memo, norm
+
+#: Pronouns in their subject form: "me" is "i", "him" is "he"; a role taken by a pronoun.
+PERSONS = frozenset({"i", "he", "she", "we", "they"})
+_CASES = {
+    **{"me": "i", "him": "he", "her": "she", "us": "we", "them": "they"},
+    # (The verb agreeing with the other person, its tense aside: "My friend's kids were bullying
+    # me" / "I was bullying my friend's kids", "has" / "have", "does" / "do".)
+    **dict.fromkeys(("am", "is", "are", "was", "were"), "be"),
+    **{"has": "have", "does": "do", "doesn't": "don't", "hasn't": "haven't", "wasn't": "weren't"},
+}
+#: "I'm", "we've", "they're", "I'll", "she'd": the pronoun and its verb, as "I am" says them.
+_CONTRACTED = re.compile(r"(?i)\b(i|you|he|she|we|they)['\u2019](m|ve|re|ll|d)\b")
+_UNCONTRACTED = {"m": "am", "ve": "have", "re": "are", "ll": "will", "d": "would"}
+#: Predicates that hold both ways round: a clause with one exchanges no role.
+SYMMETRIC = frozenset(
+    """married dating related friends roommates roommate same fighting arguing engaged
+    cousins siblings neighbors neighbours""".split()
+)
+#: Possessives dropped: "my brother" is the brother whoever's he is ("I owe my brother").
+_POSSESSIVES = frozenset({"my", "our", "their", "his"})
+
+
+@memo
+def folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
+    """The words of ``sentence`` with pronouns in one case, no possessive, a final -s dropped (a
+    verb's agreement; a plural's too, on both sides alike): "My brother owes me" is "brother owe
+    i", "I owe my brother" is "i owe brother". With ``hers``, "her" before a word that is no
+    stop word is a possessive ("She fired her boss"), else a person ("He owes her money")."""
+    folded = []
+    words = lower_words(
+        _CONTRACTED.sub(lambda m: f"{m[1]} {_UNCONTRACTED[m[2].lower()]}", sentence)
+    )
+    for k, w in enumerate(words):
+        if w in _POSSESSIVES or (
+            hers and w == "her" and k + 1 < len(words) and words[k + 1] not in STOP
+        ):
+            continue
+        w = _CASES.get(w, w)
+        if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
+            w = w[:-1]
+        folded.append(w)
+    return tuple(folded)
+
+
+def pronouns_exchanged(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Two pronouns, both on each side, exchanged wherever they stand: "She asked him to marry
+    her" / "He asked her to marry him" (each said twice, so no one-word exchange reads it)."""
+    if len(a) != len(b):
+        return False
+    pronouns = PERSONS & set(a) & set(b)
+    for x in pronouns:
+        for y in pronouns:
+            if x < y and tuple(y if w == x else x if w == y else w for w in a) == b:
+                return True
+    return False
+
 
 #: The most words a phrase taking a role may have ("the company's new lawyer").
 LONGEST = 5
