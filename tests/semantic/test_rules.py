@@ -367,8 +367,23 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
         ),
         ("Why is balance -= amount wrong here?", "Why is amount -= balance wrong here?"),
         ("What is 2^3?", "What is 3^2?"),
+        ("Is a < i?", "Is i < a?"),  # (one letter is a name, stop word or not)
     ):
         assert refused(a, b) == "operator", (a, b)
+    # Other words beside an operator asked about are prose reworded, not operands moved (a
+    # third review: refused, served before, 0.96-0.99).
+    for a, b in (
+        ("How is === different from == in PHP?", "In PHP, what makes === different from ==?"),
+        (
+            "How can I make == compare objects by value in Python?",
+            "In Python, how do I get == to compare objects by value?",
+        ),
+        (
+            "What is the difference between == and === in JavaScript?",
+            "In JavaScript, how do == and === differ?",
+        ),
+    ):
+        assert passes(operators.RULE, a, b), (a, b)
     # Subscripted and quoted operands are read whole.
     for a, b in (
         (
@@ -1006,6 +1021,10 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
         ),
         ("I'm tired of my job", "I am tired of my job"),
         ("I'm married to my cousin, is that legal?", "My cousin is married to me, is that legal?"),
+        (
+            "I'm friends with my boss. Is that a problem?",
+            "My boss is friends with me. Is that a problem?",
+        ),
         ("I'm dating my coworker, is that allowed?", "My coworker is dating me, is that allowed?"),
         (
             "I'm the same age as my stepmom, is that weird?",
@@ -1013,8 +1032,25 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
         ),
     ):
         assert passes(order.RULE, a, b), (a, b)
-    # "'ll" and "'d" are "will" and "would" (a review: served, 0.95-0.99).
+    # "'ll" and "'d" are "will" and "would" (a review: served, 0.95-0.99); a symmetric word
+    # elsewhere in the clause, or a noun, links no two (a third review: served, 0.98-0.99).
     for a, b in (
+        (
+            "My roommate owes me $500, how do I get it back?",
+            "I owe my roommate $500, how do I get it back?",
+        ),
+        (
+            "My fiance cheated on me while we were engaged",
+            "I cheated on my fiance while we were engaged",
+        ),
+        (
+            "My ex is stalking me now that I'm dating someone",
+            "I am stalking my ex now that I'm dating someone",
+        ),
+        (
+            "My sister is jealous of me because we're the same age",
+            "I am jealous of my sister because we're the same age",
+        ),
         ("I'll pay my brother back next month", "My brother will pay me back next month"),
         ("I'd marry my cousin if it were legal", "My cousin would marry me if it were legal"),
         ("She'll divorce him if he cheats", "He'll divorce her if she cheats"),

@@ -158,17 +158,32 @@ _TALK = frozenset(
     write type""".split()
 )
 #: Operators whose operands may change places: equality, and + or * between two numbers
-#: ("3 + 5" / "5 + 3"; "'ab' + 'cd'" is another string).
+#: ("3 + 5" / "5 + 3"; between names, "a + b" may join strings or lists).
 _EQUALITY = frozenset({"==", "!=", "===", "!=="})
 _NUMBER = re.compile(r"\(*\d[\d.]*\)*")
 
 
 def _operand(found: re.Match[str] | None, reversed_: bool = False) -> str:
-    """An operand's text, without spaces, or "" when there is none or it is prose."""
+    """An operand's text, without spaces, or "" when there is none or it is prose (one letter
+    is a name: "Is a < i?")."""
     if found is None:
         return ""
     text = "".join((found.group()[::-1] if reversed_ else found.group()).split())
-    return "" if text.lower() in _TALK or text.lower() in STOP else text
+    if len(text) > 1 and (text.lower() in _TALK or text.lower() in STOP):
+        return ""
+    return text
+
+
+def _rearranged(a: str, b: str) -> bool:
+    """The same names and numbers beside the same operators, placed otherwise ("count < limit" /
+    "limit < count", "x = y + 1" / "y = x + 1"). Other words beside them on each side are
+    prose reworded around an operator asked about ("How can I make == compare objects" / "how
+    do I get == to compare objects"), not another expression."""
+    oa, ob = _operands(a), _operands(b)
+    if oa == ob:
+        return False
+    names = [{w for left, _, right in found for w in (left, right) if w} for found in (oa, ob)]
+    return names[0] == names[1]
 
 
 @memo
@@ -203,7 +218,7 @@ def differs(a: str, b: str) -> bool:
     (x, open_x), (y, open_y) = _end_run(a), _end_run(b)
     if (open_x or open_y) and x != y:
         return True
-    if _operators(a) != _operators(b) or _operands(a) != _operands(b):
+    if _operators(a) != _operators(b) or _rearranged(a, b):
         return True  # (another operator, or the same between other operands: "a < b" / "b < a")
     return bool(x and y) and x != y and max(len(x), len(y)) > 1
 

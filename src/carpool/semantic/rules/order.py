@@ -58,11 +58,11 @@ from ..verdict import Reason, Rule
 from .directions import reversed_direction
 from .phrases import (
     PERSONS,
-    SYMMETRIC,
     exchanged_with_a_phrase,
     folded,
     owner_exchanged,
     pronouns_exchanged,
+    symmetric,
 )
 from .text import STOP, lower_words, memo, norm
 
@@ -176,7 +176,7 @@ def _roles(a: str, b: str) -> bool:
             # "He owes her money" / "She owes him money".
             for hers_x, hers_y in ((False, False), (True, True), (True, False), (False, True)):
                 fx, fy = folded(x, hers_x), folded(y, hers_y)
-                if SYMMETRIC.intersection(fx) and SYMMETRIC.intersection(fy):
+                if symmetric(fx) and symmetric(fy):
                     break  # ("married to", "friends with": the same either way round)
                 if fx != fy and (
                     _swapped(fx, fy, True)

@@ -2,9 +2,10 @@
 a pronoun and a phrase, an owner and what it owns.
 
 ``folded(sentence)`` is the roles reading's words (pronouns in their subject case, no
-possessive, a verb's agreement and tense aside, "I'm" as "I am"). A clause with a symmetric
-predicate ("married to", "dating", "friends with", "the same age as") names no role: "I'm
-married to my cousin" / "My cousin is married to me" say the same.
+possessive, a verb's agreement and tense aside, "I'm" as "I am"). ``symmetric(words)``: a
+predicate that holds both ways round links the two ("married to", "dating", "friends with",
+"the same age as"), so no role: "I'm married to my cousin" / "My cousin is married to me" say the
+same.
 
 :mod:`.order` reads a role taken by a pronoun through one word exchanged with it ("My landlord
 is suing me" / "I am suing my landlord": "me" and "landlord"), so a role named by more words
@@ -42,11 +43,22 @@ _CASES = {
 #: "I'm", "we've", "they're", "I'll", "she'd": the pronoun and its verb, as "I am" says them.
 _CONTRACTED = re.compile(r"(?i)\b(i|you|he|she|we|they)['\u2019](m|ve|re|ll|d)\b")
 _UNCONTRACTED = {"m": "am", "ve": "have", "re": "are", "ll": "will", "d": "would"}
-#: Predicates that hold both ways round: a clause with one exchanges no role.
-SYMMETRIC = frozenset(
-    """married dating related friends roommates roommate same fighting arguing engaged
-    cousins siblings neighbors neighbours""".split()
+#: A predicate that holds both ways round, linking the two ("i be married to cousin", folded:
+#: "-s" dropped, so "friends" is "friend"), the clause's own, its first verb; not one elsewhere
+#: in it ("...now that I'm dating someone", "the same office") nor a noun ("My roommate owes
+#: me": a role).
+_SYMMETRIC = re.compile(
+    r"^(?:\S+ ){1,4}be (?:(?:married|engaged|related) to|(?:friend|roommate|neighbor|neighbour|cousin"
+    r"|sibling) with|dating|(?:fighting|arguing) with|the same \S+ as) \S"
 )
+
+
+def symmetric(words: tuple[str, ...]) -> bool:
+    """``words`` (``folded``) say a relation that holds both ways round between two: "I'm married
+    to my cousin" / "My cousin is married to me" name no role."""
+    return _SYMMETRIC.search(" ".join(words)) is not None
+
+
 #: Possessives dropped: "my brother" is the brother whoever's he is ("I owe my brother").
 _POSSESSIVES = frozenset({"my", "our", "their", "his"})
 
