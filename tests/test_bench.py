@@ -674,14 +674,14 @@ def test_a_stopped_bench_leaves_no_file_with_the_gateways_secrets(tmp_path, sign
 def test_a_bench_started_with_sigint_ignored_keeps_ignoring_it_and_its_gateway_too(tmp_path):
     """A shell starts a background job with SIGINT ignored (`carpool bench &` in a script):
     the terminal's Ctrl-C stopped it all the same (130), the bench's own handler set."""
-    from test_cli import _ignoring_sigint, _sigint_ignored_in
+    from fakes.instances import ignoring_sigint, signal_handled
 
     out = tmp_path / "out"
     out.mkdir()
     command = [sys.executable, "-m", "carpool.cli", "bench", "--requests", "3000"]
     command += ["--rate", "20", "--out", str(out), "--no-progress"]
     bench = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_ignoring_sigint
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=ignoring_sigint
     )
     try:
         deadline = time.monotonic() + 60
@@ -690,10 +690,13 @@ def test_a_bench_started_with_sigint_ignored_keeps_ignoring_it_and_its_gateway_t
             time.sleep(0.05)
         gateway = _children(bench.pid)
         assert gateway
-        assert _sigint_ignored_in(bench.pid)
+        assert signal_handled(bench.pid, signal.SIGINT)
         # (The gateway says it starts, then sets uvicorn's handlers, SIGTERM's among them:
         # until then SIGINT is ignored as it started; after, only if it was kept so.)
-        while not all(_sigint_ignored_in(pid) and _sigterm_caught_in(pid) for pid in gateway):
+        while not all(
+            signal_handled(pid, signal.SIGINT) and signal_handled(pid, signal.SIGTERM, "SigCgt")
+            for pid in gateway
+        ):
             assert time.monotonic() < deadline, "the gateway took SIGINT back"
             time.sleep(0.05)
         bench.send_signal(signal.SIGTERM)
@@ -702,13 +705,6 @@ def test_a_bench_started_with_sigint_ignored_keeps_ignoring_it_and_its_gateway_t
         if bench.poll() is None:
             bench.kill()
             bench.wait()
-
-
-def _sigterm_caught_in(pid: int) -> bool:
-    """Whether ``pid`` handles SIGTERM (its ``SigCgt`` mask in /proc)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
 def _text(path: Path) -> str:

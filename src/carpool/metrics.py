@@ -348,7 +348,8 @@ class _StatsCollector(Collector):
                 "Keys another instance saw the upstream refuse (401/403), taken back here.",
                 value=refusals["received"],
             )
-            yield CounterMetricFamily(
+            yield CounterMetricFamily(  # (10,000: ``redis.invalidation.MAX_TELLING``, not imported
+                # here: the redis extra)
                 "carpool_redis_refusals_unsent",
                 "Keys the upstream refused here never told to the other instances (more than "
                 "10,000 waiting, or Redis out of reach for tenant.accepted_ttl): where accepted "

@@ -1078,8 +1078,9 @@ def _sigint_left_to_the_supervisor() -> None:
     requests in progress cut without an answer, the lifespan skipped: a Redis idempotency record
     left processing until its lease ran out). The supervisor stops its workers on a SIGINT (with
     a SIGTERM each, then kills one still running past the grace period): a worker only says it
-    saw one. (Called as uvicorn builds the app, inside its server's capture of the signals,
-    which puts its own handler back as the worker ends.)"""
+    saw one, or ignores it where its supervisor does, and unblocks it (it starts blocked). (Called
+    as uvicorn builds the app, inside its server's capture of the signals, which puts its own
+    handler back as the worker ends.)"""
     if threading.current_thread() is not threading.main_thread():
         return  # (signals are handled on the main thread only)
 
@@ -1088,9 +1089,9 @@ def _sigint_left_to_the_supervisor() -> None:
             "SIGINT left to the supervisor, which stops its workers (to this worker alone: nothing)"
         )
 
-    # Ignored until now, and blocked too (the supervisor's mask as it started this worker):
-    # ``supervisor._Worker``. Ignored again where the supervisor ignores it (a background job),
-    # in place of uvicorn's handler, as the worker's is here.
+    # Blocked until now (the supervisor's mask as it started this worker, ``supervisor._Worker``),
+    # so uvicorn's handler, set by now, read none: this one in its place, or SIGINT ignored again
+    # where the supervisor ignores it (a background job). Then unblocked.
     ignored = bool(os.environ.get(SIGINT_IGNORED_VARIABLE))
     signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else said)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

@@ -27,6 +27,13 @@ it, and so does a SIGHUP's restart (or a SIGTTOU) for each old worker it stops, 
 which then waits for it with the others: uvicorn waited without limit, and a worker whose event
 loop was stuck hung the run (in a restart, the supervisor: no health checks, no worker replaced, no
 signal read).
+
+Each worker starts with SIGINT ignored and blocked (``_Worker``; importing this module makes it
+uvicorn's worker class, ``uvicorn.supervisors.multiprocess.Process``, for the process): the
+terminal's Ctrl-C, which reaches the whole group, is the supervisor's alone to read, and a worker
+importing its modules prints no KeyboardInterrupt traceback; the worker sets its handler and
+unblocks it (``server``). A supervisor started with SIGINT ignored (a background job) keeps
+ignoring it and has its workers do so (``CARPOOL_SIGINT_IGNORED``).
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from uvicorn.supervisors.multiprocess import Process
 from .config.loader import SIGINT_IGNORED_VARIABLE
 from .signals import sigint_ignored
 
-# The signals that stop the run (uvicorn's supervisor stops on both).
+# The signals that stop the run (uvicorn's supervisor stops on both; SIGINT not where it is
+# ignored, a background job's).
 STOPPING = frozenset({signal.SIGINT, signal.SIGTERM})
 
 # How often a health check's wait looks whether a stopping signal has come meanwhile.

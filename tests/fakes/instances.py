@@ -67,6 +67,18 @@ def start_serve(
         )
 
 
+def ignoring_sigint() -> None:
+    """(A child's ``preexec_fn``: started as a shell starts a background job, SIGINT ignored.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def signal_handled(pid: int, signum: int, how: str = "SigIgn") -> bool:
+    """Whether ``pid`` ignores (``SigIgn``) or catches (``SigCgt``) ``signum``, as /proc says."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line for line in status.splitlines() if line.startswith(f"{how}:"))
+    return bool(int(mask.split()[1], 16) & (1 << (signum - 1)))
+
+
 def interrupt_when_imported(
     proc: subprocess.Popen[str], module: str, nth: int = 1, group: bool = False
 ) -> tuple[str, str]:
@@ -75,10 +87,11 @@ def interrupt_when_imported(
     (to its whole group with ``group``, as a terminal's Ctrl-C); what it said before, and after
     (once it closed its standard error)."""
     assert proc.stderr is not None
-    seen = []
+    seen, loaded = [], 0
     for line in proc.stderr:
         seen.append(line)
-        if sum(x.rstrip().endswith(f" {module}") for x in seen) == nth:
+        loaded += line.rstrip().endswith(f" {module}")
+        if loaded == nth:
             if group:
                 os.killpg(proc.pid, signal.SIGINT)
             else:

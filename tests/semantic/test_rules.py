@@ -368,6 +368,8 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
         ("Why is balance -= amount wrong here?", "Why is amount -= balance wrong here?"),
         ("What is 2^3?", "What is 3^2?"),
         ("Is a < i?", "Is i < a?"),  # (one letter is a name, stop word or not)
+        # (+ between names may join strings or lists: not commutative there.)
+        ("What does a + b give for two strings?", "What does b + a give for two strings?"),
     ):
         assert refused(a, b) == "operator", (a, b)
     # Other words beside an operator asked about are prose reworded, not operands moved (a
@@ -382,6 +384,7 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
             "What is the difference between == and === in JavaScript?",
             "In JavaScript, how do == and === differ?",
         ),
+        ("Why does foo !bar fail?", "Why does !bar fail?"),  # (a prefix's spaced side)
     ):
         assert passes(operators.RULE, a, b), (a, b)
     # Subscripted and quoted operands are read whole.
@@ -1051,6 +1054,12 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
             "My sister is jealous of me because we're the same age",
             "I am jealous of my sister because we're the same age",
         ),
+        (
+            "My landlord sued me the same day I moved out",
+            "I sued my landlord the same day I moved out",
+        ),
+        ("My dad hit me when we were arguing", "I hit my dad when we were arguing"),
+        ("My friend's dog had bitten me", "I'd bitten my friend's dog"),  # ("'d": "had" too)
         ("I'll pay my brother back next month", "My brother will pay me back next month"),
         ("I'd marry my cousin if it were legal", "My cousin would marry me if it were legal"),
         ("She'll divorce him if he cheats", "He'll divorce her if she cheats"),

@@ -211,7 +211,7 @@ def _print_errors(report: dict[str, Any], tenant_header: str, synthetic: bool) -
 
 
 async def _stopped_by_signal(run: Any, stopped_by: list[signal.Signals]) -> Any:
-    """``run``, cancelled on SIGINT or SIGTERM (each signal received is added to
+    """``run``, cancelled on SIGINT (unless ignored: ``carpool.signals``) or SIGTERM (each signal received is added to
     ``stopped_by``): its ``finally`` blocks stop what it started. SIGTERM's default action ended
     this process there and then; SIGINT's KeyboardInterrupt ended it as a failure (click's
     "Aborted!", exit 1)."""

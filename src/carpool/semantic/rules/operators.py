@@ -27,7 +27,11 @@ None / True / False ("is not None" / "!= None" read in their order), and parenth
 operator ("not (x and y)" / "not x and y").
 
 The same operators must stand between the same names or numbers: "Is a < b" / "Is b < a", "x =
-y + 1" / "y = x + 1" differ.
+y + 1" / "y = x + 1" differ, but for equality's sides and ``+`` or ``*`` between two numbers
+("3 + 5" / "5 + 3"). A stop word or a word about the operator ("use", "operator") beside one is
+no operand, nor the word on a prefix's spaced side ("and **kwargs"); and where the two sides name
+other words beside their operators, the prose around an operator asked about was reworded: not
+compared ("How can I make == compare..." / "How do I get == to compare...").
 
 A hyphen inside a word ("e-mail"), a slash between words ("and/or") and sentence punctuation are
 no operators; arithmetic signs count only between digits or names.

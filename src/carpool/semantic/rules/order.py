@@ -25,11 +25,14 @@ A direction between phrases reversed is read by :mod:`.directions`.
 
 Roles taken by a pronoun: "My landlord is suing me" / "I am suing my landlord" exchange "me" and
 "landlord", but pronouns carry no role above (:data:`STOP`, as "How do I..." / "How can I..." must
-pass). So each sentence, and each clause (also split at an ellipsis or a dash: a question after
-it says a pronoun again), is read a second time folded: a pronoun in its subject case ("me" is
-"i", "him" "he", "her" "she", or, before a word, a possessive: both readings tried), no
-possessive ("my landlord" is "landlord"), "am/is/are" one verb and a verb's -s dropped ("owes"
-is "owe"); the rule fires when one exchange of a pronoun of
+pass). So each sentence, and each clause (also split at an ellipsis, a dash, and "and" / "but"
+/ "so" before a subject pronoun: a question or a clause after it says a pronoun again), is read
+a second time folded (:func:`.phrases.folded`): a pronoun in its subject case ("me" is "i",
+"him" "he", "her" "she", or, before a word, a possessive: both readings tried), no possessive
+("my landlord" is "landlord"), a verb's agreement and tense aside ("am/is/are/was/were" one
+verb, "has" "have", "does" "do", a -s dropped: "owes" is "owe"), "I'm", "I'll", "I'd" spelled
+out; a clause whose own verb holds both ways round ("married to", "friends with") names no role;
+the rule fires when one exchange of a pronoun of
 :data:`PERSONS` with another word makes one side's sentence the other's (as above), or when two
 pronouns, both on each side, exchanged wherever they stand do ("She asked him to marry her" /
 "He asked her to marry him"). Measured on the development pairs, it refused no true rewording.

@@ -10,8 +10,8 @@ same.
 :mod:`.order` reads a role taken by a pronoun through one word exchanged with it ("My landlord
 is suing me" / "I am suing my landlord": "me" and "landlord"), so a role named by more words
 passed: "My friend's dog bit me" / "I bit my friend's dog" (0.99 to the verifier, served), "The
-police are chasing me" / "I am chasing the police". Here the words (as :mod:`.order` folds them:
-pronouns in their subject case, no possessive) around the exchange are the same on both sides,
+police are chasing me" / "I am chasing the police". Here the words (``folded``: pronouns in
+their subject case, no possessive) around the exchange are the same on both sides,
 and what is left is a pronoun, the same middle, and a phrase of up to :data:`LONGEST` words, in
 one order on one side and in the other order on the other: ``p M Y`` / ``Y M p``. A middle that
 only joins the two ("I and my brother" / "my brother and I"), or only says which is which ("I am
@@ -39,6 +39,7 @@ _CASES = {
     # me" / "I was bullying my friend's kids", "has" / "have", "does" / "do".)
     **dict.fromkeys(("am", "is", "are", "was", "were"), "be"),
     **{"has": "have", "does": "do", "doesn't": "don't", "hasn't": "haven't", "wasn't": "weren't"},
+    "had": "would",  # ("I'd" is either)
 }
 #: "I'm", "we've", "they're", "I'll", "she'd": the pronoun and its verb, as "I am" says them.
 _CONTRACTED = re.compile(r"(?i)\b(i|you|he|she|we|they)['\u2019](m|ve|re|ll|d)\b")
@@ -141,8 +142,9 @@ def _at_the_ends(
                 middle, again, there = x[1:-size], y[size:-1], y[:size]
             else:
                 middle, again, there = x[size:-1], y[1:-size], y[-size:]
+            # ("be" alone says who is who either way round)
             if there == phrase and middle == again and middle not in ((), ("be",)):
-                if not joined(middle):  # ("be" alone says who is who either way round)
+                if not joined(middle):
                     return True
     return False
 

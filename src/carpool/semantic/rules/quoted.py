@@ -221,7 +221,6 @@ def _code_chunks(text: str) -> Counter[str] | None:
 
 #: Where a call or a subscript begins: a name (dots in it) and its bracket.
 _CALL = re.compile(r"(?<![\w.])[\w.]+[(\[]")  # (from a name's start: once a run of letters)
-_CLOSE = {"(": ")", "[": "]"}
 
 
 @memo
