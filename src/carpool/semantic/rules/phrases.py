@@ -70,7 +70,7 @@ def folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
     verb's agreement; a plural's too, on both sides alike): "My brother owes me" is "brother owe
     i", "I owe my brother" is "i owe brother". With ``hers``, "her" before a word that is no
     stop word is a possessive ("She fired her boss"), else a person ("He owes her money")."""
-    folded = []
+    out = []
     words = lower_words(
         _CONTRACTED.sub(lambda m: f"{m[1]} {_UNCONTRACTED[m[2].lower()]}", sentence)
     )
@@ -82,8 +82,8 @@ def folded(sentence: str, hers: bool = False) -> tuple[str, ...]:
         w = _CASES.get(w, w)
         if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
             w = w[:-1]
-        folded.append(w)
-    return tuple(folded)
+        out.append(w)
+    return tuple(out)
 
 
 def pronouns_exchanged(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
