@@ -185,7 +185,7 @@ def _roles(a: str, b: str) -> bool:
                     _swapped(fx, fy, True)
                     or _swapped(fy, fx, True)
                     or pronouns_exchanged(fx, fy)
-                    or exchanged_with_a_phrase(fx, fy, PERSONS, _joined)
+                    or exchanged_with_a_phrase(fx, fy, _joined)
                 ):
                     return True
                 if "her" not in lower_words(x) + lower_words(y):

@@ -27,7 +27,7 @@ says "y's x", the rest word for word.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from .text import STOP, lower_words, memo, norm
 
@@ -104,13 +104,10 @@ LONGEST = 5
 
 
 def exchanged_with_a_phrase(
-    a: tuple[str, ...],
-    b: tuple[str, ...],
-    persons: Collection[str],
-    joined: Callable[[tuple[str, ...]], bool],
+    a: tuple[str, ...], b: tuple[str, ...], joined: Callable[[tuple[str, ...]], bool]
 ) -> bool:
     """``a`` is ``pre p M Y post`` and ``b`` is ``pre Y M p post`` (or the other way), ``p``
-    a pronoun of ``persons``, ``Y`` a phrase of 1 to :data:`LONGEST` words without ``p``, ``M``
+    a pronoun of :data:`PERSONS`, ``Y`` a phrase of 1 to :data:`LONGEST` words without ``p``, ``M``
     one word or more that ``joined`` does not read as a coordinator."""
     if len(a) != len(b) or a == b:
         return False
@@ -120,19 +117,16 @@ def exchanged_with_a_phrase(
     end = len(a)
     while a[end - 1] == b[end - 1]:
         end -= 1
-    return _at_the_ends(a[start:end], b[start:end], persons, joined)
+    return _at_the_ends(a[start:end], b[start:end], joined)
 
 
 def _at_the_ends(
-    x: tuple[str, ...],
-    y: tuple[str, ...],
-    persons: Collection[str],
-    joined: Callable[[tuple[str, ...]], bool],
+    x: tuple[str, ...], y: tuple[str, ...], joined: Callable[[tuple[str, ...]], bool]
 ) -> bool:
     """``x`` is ``p M Y`` and ``y`` is ``Y M p``, or ``x`` is ``Y M p`` and ``y`` ``p M Y``."""
     for pronoun_at_start in (True, False):
         p = x[0] if pronoun_at_start else x[-1]
-        if p not in persons or (y[-1] if pronoun_at_start else y[0]) != p:
+        if p not in PERSONS or (y[-1] if pronoun_at_start else y[0]) != p:
             continue
         for size in range(1, min(LONGEST, len(x) - 2) + 1):
             phrase = x[-size:] if pronoun_at_start else x[:size]
