@@ -370,6 +370,9 @@ def test_operators_the_same_operators_between_other_operands_are_refused():
         ("Is a < i?", "Is i < a?"),  # (one letter is a name, stop word or not)
         # (+ between names may join strings or lists: not commutative there.)
         ("What does a + b give for two strings?", "What does b + a give for two strings?"),
+        # Between strings too (served, 0.98: a sign after a quote was no operator).
+        ("What is 'ab' + 'cd' in Python?", "What is 'cd' + 'ab' in Python?"),
+        ('What is "ab"+"cd" in JS?', 'What is "cd"+"ab" in JS?'),
     ):
         assert refused(a, b) == "operator", (a, b)
     # Other words beside an operator asked about are prose reworded, not operands moved (a
@@ -732,6 +735,31 @@ def test_identifiers_case_and_plain_words_pass():
     assert refused("What is in ./run.sh?", "What is in ./build.sh?") == "identifier"
 
 
+def test_identifiers_two_exchanged_in_place_are_refused_unless_only_joined():
+    # A command's arguments exchanged ("cp a.txt b.txt" / "cp b.txt a.txt", 0.99 to the
+    # verifier, served: "a" is a stop word and "txt" said twice, so no exchange of words read it).
+    for a, b in (
+        ("cp a.txt b.txt", "cp b.txt a.txt"),
+        ("mv old.py new.py", "mv new.py old.py"),
+        ("How do I run diff main.c util.c?", "How do I run diff util.c main.c?"),
+        ("Does config.yaml override settings.yaml?", "Does settings.yaml override config.yaml?"),
+    ):
+        assert identifiers.RULE.differs(a, b) and identifiers.RULE.differs(b, a), (a, b)
+        assert refused(a, b) is not None, (a, b)
+    for a, b in (
+        ("Compare a.py and b.py", "Compare b.py and a.py"),
+        ("python2, python3: which is faster?", "python3, python2: which is faster?"),
+        ("HTTP vs. HTTPS", "HTTPS vs. HTTP"),
+        ("Should I learn python2 or python3?", "Should I learn python3 or python2?"),
+        ("What do NASA and ESA do?", "What do ESA and NASA do?"),
+        (
+            "Read c.txt after cp a.txt b.txt",
+            "cp a.txt b.txt, then read c.txt",
+        ),  # (not one exchange)
+    ):
+        assert passes(identifiers.RULE, a, b), (a, b)
+
+
 # ------------------------------------------------------------------------------ names
 
 
@@ -1013,6 +1041,9 @@ def test_order_refuses_a_role_named_by_a_phrase_exchanged_with_a_pronoun():
         ),
         ("My ex's family has blocked me on Facebook", "I've blocked my ex's family on Facebook"),
         ("I'm suing my ex-husband's new wife", "My ex-husband's new wife is suing me"),
+        # "you" takes a role too, "your" a possessive (served, 0.99).
+        ("You bit my friend's dog", "My friend's dog bit you"),
+        ("Why does your old boss hate you?", "Why do you hate your old boss?"),
     ):
         assert refused(a, b) == "order", (a, b)
     # Saying which is which, or a relation that holds both ways round, reads the same either
@@ -1137,6 +1168,63 @@ def test_order_roles_exchanged_in_one_clause_of_several_are_refused():
     ):
         assert order.RULE.differs(a, b) and order.RULE.differs(b, a), (a, b)
         assert refused(a, b) == "order", (a, b)
+
+
+def test_order_a_question_asked_of_the_other_role_is_refused():
+    # "Who did X kill?" asks X's victim, "Who killed X?" X's killer: no exchange of two words
+    # makes one the other, and the verifier served most (a review: 9 of 16, 0.93-0.99).
+    for a, b in (
+        ("Who did Cain kill?", "Who killed Cain?"),
+        ("Who did Brutus betray?", "Who betrayed Brutus?"),
+        ("Who did Lee Harvey Oswald shoot?", "Who shot Lee Harvey Oswald?"),
+        (
+            "Which team did Argentina beat in the 2022 World Cup final?",
+            "Which team beat Argentina in the 2022 World Cup final?",
+        ),
+        ("Who does Romeo love?", "Who loves Romeo?"),
+    ):
+        assert refused(a, b) == "order", (a, b)
+    for a, b in (
+        ("Who did Cain kill?", "Whom did Cain kill?"),
+        ("Who killed Cain?", "Who murdered Cain?"),
+        ("Who did Cain kill?", "Who was killed by Cain?"),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+
+
+def test_order_a_plural_is_its_singular_in_a_conversion_reversed():
+    # "How many liters are in a gallon?" / "How many gallons are in a liter?" exchanges
+    # "liters" and "gallon", each said once in another form: no exchange read it (a review:
+    # served, 0.98-0.99).
+    for a, b in (
+        ("How many liters are in a gallon?", "How many gallons are in a liter?"),
+        ("How many cups are in a quart?", "How many quarts are in a cup?"),
+        ("How many meters are in a foot?", "How many feet are in a meter?"),
+        ("How many inches are in a centimeter?", "How many centimeters are in an inch?"),
+    ):
+        assert refused(a, b) == "order", (a, b)
+    assert passes(order.RULE, "How many liters are in a gallon?", "How many liters in one gallon?")
+    # Two words each before the same noun are joined as by a coordinator once the noun is read
+    # in one form ("intensive and extensive properties": refused while plurals were folded
+    # alone, a development rewording).
+    for a, b in (
+        (
+            "What are the major differences between Chinese and Western cultures?",
+            "What the difference between western culture and Chinese culture?",
+        ),
+        (
+            "What are some examples of abstract and concrete nouns?",
+            "What are some examples of concrete nouns and abstract nouns?",
+        ),
+    ):
+        assert passes(order.RULE, a, b), (a, b)
+    assert (
+        refused(
+            "Is western culture older than chinese culture?",
+            "Is chinese culture older than western culture?",
+        )
+        == "order"
+    )
 
 
 def test_order_the_same_roles_in_clauses_or_a_letter_reworded_pass():
@@ -1372,6 +1460,21 @@ def test_polarity_opposites_of_everyday_domains_are_refused():
         ("Is Tesla stock overvalued right now?", "Is Tesla stock currently overvalued?"),
     ):
         assert passes(polarity.RULE, a, b), (a, b)
+
+
+def test_polarity_inverse_actions_of_code_and_tools_are_refused():
+    # A review: read / write served (0.99), load / save, copy / paste, promote / demote and
+    # others left to the verifier's score alone (0.94-0.98).
+    for a, b in (
+        ("How to read a CSV file with pandas", "How to write a CSV file with pandas"),
+        ("How do I load a pickle file?", "How do I save a pickle file?"),
+        ("What is the shortcut to copy on a Mac?", "What is the shortcut to paste on a Mac?"),
+        ("How do I promote a user in Discord?", "How do I demote a user in Discord?"),
+        ("How do I grant access to a bucket?", "How do I revoke access to a bucket?"),
+        ("How do I pause a Docker container?", "How do I resume a Docker container?"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+    assert passes(polarity.RULE, "How do I read and write files?", "How do I write and read files?")
 
 
 def test_polarity_a_word_with_two_opposites_is_refused_both_ways():

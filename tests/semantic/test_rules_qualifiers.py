@@ -100,6 +100,19 @@ def passes(a: str, b: str) -> bool:
             "Tell me about black holes in three bullet points.",
             "Tell me about black holes in three paragraphs.",
         ),
+        # A review's (0.97-0.99, served): "ever", "generally", "typically", "possible",
+        # "necessary", "optional" and how long an answer is were in no family.
+        ("Is it usually safe to eat raw cookie dough?", "Is it ever safe to eat raw cookie dough?"),
+        ("Is it generally safe to drink tap water?", "Is it ever safe to drink tap water?"),
+        ("Is it always okay to lie to children?", "Is it ever okay to lie to children?"),
+        (
+            "Is it required to get a permit to build a shed?",
+            "Is it possible to get a permit to build a shed?",
+        ),
+        ("Is it mandatory to vote in Brazil?", "Is it optional to vote in Brazil?"),
+        ("Is a visa necessary for Peru?", "Is a visa optional for Peru?"),
+        ("Explain recursion briefly", "Explain recursion in detail"),
+        ("Explain how DNS works in a nutshell", "Explain how DNS works step by step"),
     ],
 )
 def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
@@ -141,6 +154,11 @@ def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
         ("Did the Beatles ever play in Japan?", "Have the Beatles ever played in Japan?"),
         ("Does coffee dehydrate you?", "Will coffee dehydrate you?"),
         ("Is a will required in Texas?", "In Texas, what do I legally need to write a will?"),
+        # (One side alone: "ever", "possible" and "briefly" are no question by themselves.)
+        ("Have you ever been to Paris?", "Have you been to Paris?"),
+        ("Is it possible to learn Python in a month?", "Can I learn Python in a month?"),
+        ("Explain recursion briefly", "Explain recursion"),
+        ("Is it generally safe to fly?", "Is it usually safe to fly?"),
     ],
 )
 def test_qualifiers_the_same_qualifier_reworded_passes(a, b):

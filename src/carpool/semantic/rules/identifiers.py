@@ -12,6 +12,11 @@ same thing. An identifier is a word that is not plain prose:
 Each side's identifiers must occur, in any case, as words of the other (a dotted name: all
 its parts). A capitalised word at the start of
 a sentence is not an identifier (:mod:`.entities` reads names).
+
+And two of them exchanged in place, the rest in order, are another command: "cp a.txt b.txt" /
+"cp b.txt a.txt" (0.99 to the verifier, served: split into words, "a" is a stop word and "txt"
+said twice, so :mod:`.order` saw no exchange), unless only a coordinator stands between them on
+both sides ("compare a.py and b.py" / "compare b.py and a.py").
 """
 
 from __future__ import annotations
@@ -62,9 +67,64 @@ def _read(text: str) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(t.lower() for t in tokens if _is_identifier(t)), frozenset(words)
 
 
+_ARTICLES = frozenset({"a", "an", "the"})
+
+
+@memo
+def _placed(text: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
+    """The words of ``text`` (lower-cased, no article), the places of its identifiers among
+    them, and the words between each two identifiers (commas, "&" and "/" kept)."""
+    text = norm(text)
+    words: list[str] = []
+    at: list[int] = []
+    between: list[str] = []
+    last = -1  # (where the identifier before ends)
+    for m in _TOKEN.finditer(text):
+        token = m.group().rstrip(".,;:!?")
+        if token.lower() in _ARTICLES:
+            continue
+        if _is_identifier(token):
+            if last >= 0:
+                joins = re.findall(r"[^\W_]+|[&,/]", text[last : m.start()].lower())
+                between.append(" ".join(w for w in joins if w not in _ARTICLES))
+            at.append(len(words))
+            last = m.end()
+        words.append(token.lower())
+    return tuple(words), tuple(at), tuple(between)
+
+
+#: What joins two identifiers whose order does not matter ("a.py and b.py", "HTTP vs HTTPS",
+#: "python2, python3"); not a space alone ("cp a.txt b.txt": a command's arguments).
+_JOINING = frozenset(
+    f"{comma}{word}".strip()
+    for comma in ("", ", ")
+    for word in ("", "and", "or", "nor", "&", "/", "vs", "versus")
+) - {""}
+
+
+def _exchanged(a: str, b: str) -> bool:
+    """Two identifiers, each once on each side, exchanged in place, every other word the same
+    (but an article), and something but a coordinator between them: "cp a.txt b.txt" / "cp
+    b.txt a.txt". (A sentence reworded around them is the verifier's to read: "The `from_spec`
+    function creates a `ReadInstruction`" / "A `ReadInstruction` is created by `from_spec`".)"""
+    (wa, at_a, between_a), (wb, at_b, between_b) = _placed(a), _placed(b)
+    if wa == wb or len(wa) != len(wb) or at_a != at_b:
+        return False
+    moved = [k for k, place in enumerate(at_a) if wa[place] != wb[place]]
+    if len(moved) != 2:
+        return False
+    i, j = moved
+    x, y = wa[at_a[i]], wa[at_a[j]]
+    if wa.count(x) > 1 or wa.count(y) > 1:
+        return False
+    if tuple(y if w == x else x if w == y else w for w in wa) != wb:
+        return False
+    return not (j == i + 1 and between_a[i] in _JOINING and between_b[i] in _JOINING)
+
+
 def differs(a: str, b: str) -> bool:
     (ids_a, tokens_a), (ids_b, tokens_b) = _read(a), _read(b)
-    return not (_covered(ids_a, tokens_b) and _covered(ids_b, tokens_a))
+    return not (_covered(ids_a, tokens_b) and _covered(ids_b, tokens_a)) or _exchanged(a, b)
 
 
 def _covered(ids: frozenset[str], tokens: frozenset[str]) -> bool:

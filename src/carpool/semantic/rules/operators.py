@@ -47,7 +47,8 @@ from .text import STOP, memo, norm
 _SYMBOL = re.compile(
     r"===|!==|==|!=|<=|>=|<<|>>|->|=>|\*\*|//|\+=|-=|\*=|/=|%=|&&|\|\||[<>=≠≤≥!&|^~]"
     r"|[→←↑↓↔↕⇒⇐⇔★☆]"  # (arrows and stars, each: the verifier reads them as near-equal)
-    r"|(?<=[\w)\]]\s)[-+*/%](?=\s[\w(\[])|(?<=[\d)\]])[-+*/%](?=[\d(\[])"
+    # (between strings too: "'ab' + 'cd'" / "'cd' + 'ab'" was served, 0.98)
+    r"|(?<=[\w)\]'\"]\s)[-+*/%](?=\s[\w(\['\"])|(?<=[\d)\]'\"])[-+*/%](?=[\d(\['\"])"
     # ("??" alone before more words, or beside a comma, a bracket, a hyphen: after a word, a
     # mark; "?." and "?:" of code: "what does ?. mean", "a?.b")
     r"|(?<![^\s(\[{])\?{2,}+(?=[,;:)\]}-]|\s++\S)"

@@ -48,8 +48,9 @@ side exactly the other, fire too ("Mary gave John the book John wanted"), unless
 ("Python or Java").
 
 A role named by a phrase exchanged with a pronoun ("My friend's dog bit me" / "I bit my
-friend's dog"), and an owner exchanged with what it owns ("my wife's brother" / "my brother's
-wife"), are read by :mod:`.phrases`.
+friend's dog"), an owner exchanged with what it owns ("my wife's brother" / "my brother's
+wife"), and a question asked of the other role ("Who did Cain kill?" / "Who killed Cain?") are
+read by :mod:`.phrases`.
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ from ..verdict import Reason, Rule
 from .directions import reversed_direction
 from .phrases import (
     PERSONS,
+    asked_of_the_other_role,
     exchanged_with_a_phrase,
     folded,
     owner_exchanged,
     pronouns_exchanged,
+    singular,
     symmetric,
 )
 from .text import STOP, lower_words, memo, norm
@@ -82,6 +85,17 @@ def _joined(between: tuple[str, ...]) -> bool:
     return (len(rest) == 1 and rest[0] in COORDINATORS) or rest in (
         ("as", "well", "as"),
         ("and", "or"),
+    )
+
+
+def _coordinated(words: tuple[str, ...], i: int, j: int) -> bool:
+    """``words[i]`` and ``words[j]`` joined: by a coordinator ("Chinese and Western cultures"),
+    or each before the same words ("Western culture and Chinese culture")."""
+    between = words[i + 1 : j]
+    return _joined(between) or (
+        len(between) >= 2
+        and _joined(between[-1:])
+        and words[j + 1 : j + len(between)] == between[:-1]
     )
 
 
@@ -136,7 +150,7 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
             if roles and not {x, y} & PERSONS:
                 continue  # two other words: the plain reading's, not a role through a pronoun
             j = place_a[y]
-            if abs(place_b[x] - j) > SLACK or _joined(a[i + 1 : j]):
+            if abs(place_b[x] - j) > SLACK or _coordinated(a, i, j):
                 continue  # x lands too far, or "X and Y" / "Y and X": the same pair either way
             # Everywhere ("the landlord sued me after the landlord evicted me": the role said
             # twice) or at their first places only ("...suing me, what should I do?": a word
@@ -207,8 +221,10 @@ _ARTICLES = {"an": "a", **dict.fromkeys("my your his her its our their".split(),
 
 def _words(text: str) -> tuple[str, ...]:
     """The words, "an" as "a", a possessive as "the" (each follows its noun: "an uncle adopted a
-    nephew" / "a nephew...", "the teacher sent her son" / "her son sent the teacher")."""
-    return tuple(_ARTICLES.get(w, w) for w in lower_words(text))
+    nephew" / "a nephew...", "the teacher sent her son" / "her son sent the teacher"), a plural
+    as its singular (the number follows the question: "How many liters are in a gallon?" /
+    "How many gallons are in a liter?" was served, 0.99)."""
+    return tuple(singular(_ARTICLES.get(w, w)) for w in lower_words(text))
 
 
 def _clauses(a: str, b: str) -> bool:
@@ -256,6 +272,7 @@ def differs(a: str, b: str) -> bool:
         or reversed_direction(b, a)
         or _roles(a, b)
         or _clauses(a, b)
+        or asked_of_the_other_role(lower_words(a), lower_words(b))
     )
 
 

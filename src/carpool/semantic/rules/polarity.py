@@ -99,7 +99,9 @@ arrival/departure internal/external incoming/outgoing inbound/outbound beginner/
 beginners/experts novice/expert novices/experts beginner/advanced basic/advanced asleep/awake
 still/no_longer prior/subsequent predate/postdate predates/postdates predated/postdated
 exceed/fall_short exceeds/fall_short exceeded/fall_short exceeding/fall_short
-hi/bye hi/goodbye hello/bye hello/goodbye hey/bye hey/goodbye
+hi/bye hi/goodbye hello/bye hello/goodbye hey/bye hey/goodbye read/write reading/writing
+load/save copy/paste cut/paste insert/delete pause/resume undo/redo grant/revoke approve/reject
+attach/detach promote/demote
 好处/坏处 优点/缺点 增加/减少 删除/恢复 上/下 开/关 买/卖 快/慢 高/低 大/小
 """
 

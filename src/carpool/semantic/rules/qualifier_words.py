@@ -75,8 +75,8 @@ QUANTIFIERS = _family(
     exactly: exactly
     all every everyone everybody everything always: all
     each per: each
-    some sometimes someone somebody any anyone anybody: some
-    most usually mostly: most
+    some sometimes someone somebody any anyone anybody ever: some
+    most usually mostly generally typically normally: most
     many often: many
     few rarely seldom: few
     none nobody never no_one: none
@@ -101,8 +101,9 @@ MODALITY = _family(
     """
     how_can how_could how_should how_do what_can what_could what_should what_do: -
     must have_to has_to had_to required require requires mandatory compulsory obliged
-    obligated obligatory need_to needs_to need needs needed: obligation
-    may might can could allowed permitted legal able_to: may
+    obligated obligatory need_to needs_to need needs needed necessary: obligation
+    may might can could allowed permitted legal able_to possible: may
+    optional voluntary: optional
     will: will
     should ought_to advisable recommended: advice
     """,
@@ -162,6 +163,8 @@ FORMAT = _family(
     list lists: list
     json csv yaml xml markdown html: data
     essay haiku poem limerick tweet: genre
+    brief briefly concise concisely in_a_nutshell: brief
+    detailed in_detail thoroughly in_depth step_by_step: detailed
     """,
     solo="table bullets numbered paragraph list data genre",
 )
