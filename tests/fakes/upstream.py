@@ -31,7 +31,8 @@ Streams (``"stream": true``) are ``text/event-stream`` of ``data: {json}\\n\\n``
 chunk per word of each choice's answer, choice after choice (the word with its leading space, so
 the pieces join back to the answer); a chunk with an empty delta and ``finish_reason`` for every
 choice; with ``stream_options.include_usage`` a last chunk with ``"choices": []`` and ``usage``
-(and ``"usage": null`` on the others); then ``data: [DONE]``.
+(and ``"usage": null`` on the others; with ``continuous_usage_stats`` too, the usage on every
+chunk, as vLLM, which reads it only beside ``include_usage``); then ``data: [DONE]``.
 
 The Responses API (``/v1/responses``): the prompt is ``input`` (a string), or the text of the
 last input item; the answer is ``{"id", "object": "response", "created_at", "status":
@@ -1094,6 +1095,7 @@ class FakeUpstream:
             bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
             and not self.ignore_include_usage
         )
+        continuous = include_usage and stream_options.get("continuous_usage_stats") is True
         tool_call = self.tool_call if chat else None
         llama = self.tool_call_style == "llama.cpp"
         nulls = {"role": None, "content": None, "function_call": None, "tool_calls": None}
@@ -1122,7 +1124,7 @@ class FakeUpstream:
                 "choices": choices,
             }
             if include_usage:
-                chunk["usage"] = with_usage
+                chunk["usage"] = usage if continuous and with_usage is None else with_usage
             if prompt is not None:
                 chunk["prompt_token_ids"] = prompt
             return b"data: " + _json(chunk) + b"\n\n"
