@@ -418,6 +418,28 @@ async def test_keys_sharing_their_last_60_bits_share_a_place_and_never_an_answer
 
 
 @pytest.mark.parametrize("hot", [0, 1024])
+async def test_a_miss_on_a_key_sharing_anothers_place_marks_that_entry_unused(hot):
+    # Only a hit marks an entry used: the other key's miss gave it a second chance it had not
+    # earned (a model-based review), so it outlived an entry put after it.
+    store = MemoryStore(budget_for(2), hot=hot)
+    twin = "f" + FINGERPRINT[1:]
+    await store.put(FINGERPRINT, entry())
+    await store.put("b" * 32, entry())
+    assert store.get_now(twin) is None
+    await store.put("c" * 32, entry())  # the first put goes, unmarked
+    assert not store.holds(FINGERPRINT) and store.holds("b" * 32) and store.evictions == 1
+
+
+async def test_a_put_that_stores_nothing_still_takes_a_due_reaping_step():
+    clock = ManualClock()
+    store = MemoryStore(budget_for(4), clock=clock)
+    await store.put("old", entry(ttl=10, now=clock.now()))
+    clock.advance(max(10, memory.SWEEP_EVERY))
+    await store.put("late", entry(ttl=1, now=clock.now() - 5))  # already expired: not stored
+    assert store.entries == 0 and store.bytes == 0
+
+
+@pytest.mark.parametrize("hot", [0, 1024])
 async def test_holds_says_whether_a_key_has_an_entry_without_reading_it(hot):
     """``holds``: the key's entry is here (hot or packed), not another key's sharing its place,
     not one too big to keep; asking marks nothing used and keeps no objects."""

@@ -221,12 +221,15 @@ class MemoryStore:
             self._hot.move_to_end(key)
             return entry
         place = _place(key)
-        blob = self._entries.get(place)
+        blob = self._entries.peek(place)
         if blob is None:
             return None
         rest = _rest(key, place)
         if blob[1] != len(rest) or not blob.startswith(rest, packed.TAIL_AT):
-            return None  # another key's, sharing this one's last 60 bits (``packed.has_tail``)
+            # Another key's, sharing this one's last 60 bits (``packed.has_tail``): a miss,
+            # which marks nothing used (a model-based review: it gave that entry a second chance).
+            return None
+        self._entries.touch(place)
         entry = packed.unpack(blob)
         if self.hot:
             seen = self._seen
@@ -260,12 +263,15 @@ class MemoryStore:
     async def put(self, key: str, entry: Entry) -> None:
         place = _place(key)
         self._forget(place)
-        if entry.expires <= self._entries.now():
-            return  # already expired (an answer back-dated by its ``age``): never served
-        blob = packed.pack(entry, _rest(key, place))
-        alone = _size(place, blob)
-        if alone > self.max_bytes:
-            return
+        # Already expired (an answer back-dated by its ``age``: never served), or larger than
+        # the whole budget: not stored, but the step is taken all the same.
+        if entry.expires > self._entries.now():
+            blob = packed.pack(entry, _rest(key, place))
+            if _size(place, blob) <= self.max_bytes:
+                self._store(place, blob)
+        self.reap()
+
+    def _store(self, place: Place, blob: Packed) -> None:
         self._entries.put(place, blob)
         # Room is taken from the objects first, the least recently used first: which entries
         # keep objects must not change which entries are kept (an entry evicted for a copy of
@@ -275,7 +281,6 @@ class MemoryStore:
         while self.bytes > self.max_bytes:  # (the new entry, the most recent, fits: not it)
             if self._entries.evict() is None:
                 break
-        self.reap()
 
     def reap(self) -> int:
         """Drop the expired entries among the next ``SWEEP_STEP``, if a step is due (one a
