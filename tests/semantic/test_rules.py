@@ -53,6 +53,20 @@ def test_numbers_a_different_number_is_refused():
     )
 
 
+def test_numbers_a_hyphenated_word_is_read_in_its_parts():
+    # "five-year-old" was one word, no number: "a five-year-old" / "a six-year-old" passed the
+    # rule, and "a five year old" / "a five-year-old" was refused (a review).
+    assert refused("Explain it to a five-year-old", "Explain it to a six-year-old") == "number"
+    assert refused("Is a 3-year-old too young?", "Is a 4-year-old too young?") == "number"
+    for a, b in (
+        ("Explain photosynthesis to a five year old", "Explain photosynthesis to a five-year-old"),
+        ("Is a 3 year old too young for school?", "Is a 3-year-old too young for school?"),
+        ("Is a 30-year mortgage better?", "Is a 30 year mortgage better?"),
+        ("What is twenty-one plus one?", "What is twenty one plus one?"),
+    ):
+        assert refused(a, b) is None, (a, b)
+
+
 def test_numbers_chinese_numbers_are_read():
     assert refused("买两个苹果要多少钱？", "买三个苹果要多少钱？") == "number"
     assert refused("二十五加三等于几？", "二十五加四等于几？") == "number"

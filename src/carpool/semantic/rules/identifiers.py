@@ -129,8 +129,12 @@ def differs(a: str, b: str) -> bool:
 
 def _covered(ids: frozenset[str], tokens: frozenset[str]) -> bool:
     """Each identifier is a token of the other side, in any case ("HTTP" = "http"), or, for a
-    dotted name, all its parts are ("datasets.Audio" = "Audio ... of datasets")."""
-    return all(i in tokens or (_DOTTED.match(i) and set(i.split(".")) <= tokens) for i in ids)
+    dotted or hyphenated name, all its parts are ("datasets.Audio" = "Audio ... of datasets",
+    "a 3-year-old" = "a 3 year old")."""
+    return all(
+        i in tokens or ((_DOTTED.match(i) or "-" in i) and set(re.split(r"[.-]", i)) <= tokens)
+        for i in ids
+    )
 
 
 RULE = Rule(Reason.IDENTIFIER, differs)

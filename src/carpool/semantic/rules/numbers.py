@@ -151,6 +151,20 @@ _SYMBOL_BEFORE = re.compile(r"([$€£¥])\s?$")
 _AFTER = re.compile(r"\s*([%$€£¥]|[a-z°][a-z°/_]*(?:\.[a-z])?)")
 
 
+def _parts(word: str) -> tuple[str, ...]:
+    """A hyphenated number read in its parts: "twenty-one", "a five-year-old" is "a five year
+    old", "a 30-year mortgage" (a review: "five-year-old" / "six-year-old" passed, "five year
+    old" / "five-year-old" was refused); not a word that only starts with one ("zero-copy",
+    "one-time": no count of anything, and the other side may say it without a number)."""
+    parts = tuple(word.split("-"))
+    if len(parts) < 2 or not (parts[0] in SMALL or parts[0] in TENS or parts[0].isdigit()):
+        return (word,)
+    second = parts[1]
+    if second in SMALL or second in TENS or second in DATES or second in UNITS:
+        return parts
+    return (word,)
+
+
 def _unit_of(flat: str, m: re.Match[str]) -> str | None:
     """The unit or currency written on the number ``m``: a symbol just before it ("$100"), its
     am / pm, or a unit just after it ("2 amp", "500 €", "15%")."""
@@ -184,7 +198,7 @@ def _read(
         tuple(float(piece.replace(",", "")) for piece in _PIECES.findall(g.group()))
         for g in _GROUP.finditer(flat)
     )
-    words = lower_words(text)
+    words = tuple(part for w in lower_words(text) for part in _parts(w))
     spelled, ones = _english(words)
     chinese, cn_ones = _chinese(flat)
     numbers.update(spelled)
