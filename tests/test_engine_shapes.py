@@ -200,26 +200,18 @@ async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
     assert after["saved_without_usage"] == 3
 
 
-async def test_continuous_usage_stats_without_include_usage_gets_the_plain_stream_vllm_sends(
+async def test_continuous_usage_stats_gets_a_usage_in_every_chunk_and_no_plain_stream_its_frames(
     gw, fake
 ):
-    # vLLM reads continuous_usage_stats only beside include_usage. The gateway asked its call
-    # with include_usage and passed the option on: the engine put a usage in every chunk, which
-    # this client got though it would have had none (a review, against a vLLM-like upstream).
-    body = tool_body("continuous alone")
-    alone, raw = await stream(
-        gw, CHAT, {**body, "stream_options": {"continuous_usage_stats": True}}
-    )
-    assert alone.headers["x-carpool"] == "miss"
-    assert [e["usage"] for e in events(raw) if e.get("usage") is not None] == []
-    assert fake.calls[-1].body["stream_options"] == {"include_usage": True}
-    plain, plain_raw = await stream(gw, CHAT, body)  # (its frames are a plain stream's)
-    assert plain.headers["x-carpool"] == "hit" and usage_chunks(plain_raw) == []
-    # Asked beside include_usage, it is another stream, a usage in every chunk, as the engine's.
+    body = tool_body("continuous usage")
     both = {"include_usage": True, "continuous_usage_stats": True}
     asked, asked_raw = await stream(gw, CHAT, {**body, "stream_options": both})
     assert asked.headers["x-carpool"] == "miss" and fake.calls[-1].body["stream_options"] == both
-    assert all(e.get("usage") is not None for e in events(asked_raw))
+    assert all(e.get("usage") is not None for e in events(asked_raw))  # (as the engine's)
+    # A stream that did not ask is not replayed those frames: another key, its own call.
+    plain, plain_raw = await stream(gw, CHAT, body)
+    assert plain.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert [e for e in events(plain_raw) if e.get("usage") is not None] == []
 
 
 WITHOUT_STREAM_USAGE = {"upstream": {"stream_usage": False}}

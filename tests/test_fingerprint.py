@@ -79,35 +79,18 @@ def test_metadata_is_in_the_key_of_a_chat_stored_upstream():
     assert key(chat(store=False, metadata={"feature": "b"})) == key(chat(store=False))
 
 
-def test_a_stream_option_other_than_include_usage_changes_the_key():
+@pytest.mark.parametrize(
+    "options", [{"continuous_usage_stats": True}, {"include_obfuscation": False}]
+)
+def test_a_stream_option_other_than_include_usage_changes_the_key(options):
     # Each changes the frames (a usage in every chunk; padding or not): a client that did not
     # ask was replayed another's, its usage in every chunk.
     base = key(chat(stream=True))
-    options = {"include_obfuscation": False}
     assert key(chat(stream=True, stream_options=options)) != base
     both = {**options, "include_usage": True}
     assert key(chat(stream=True, stream_options=both)) == key(
         chat(stream=True, stream_options=options)
     )
-    usage = {"include_usage": True}
-    continuous = {**usage, "continuous_usage_stats": True}
-    assert key(chat(stream=True, stream_options=continuous)) != key(
-        chat(stream=True, stream_options=usage)
-    )
-
-
-def test_continuous_usage_stats_without_include_usage_is_out_of_a_streams_key():
-    # vLLM reads it only beside include_usage: alone, the frames are a plain stream's (a review:
-    # such a stream was keyed apart, and its upstream call, asked for the usage by the gateway,
-    # put a usage in every chunk this client had not asked for).
-    base = key(chat(stream=True))
-    for alone in (
-        {"continuous_usage_stats": True},
-        {"include_usage": False, "continuous_usage_stats": True},
-    ):
-        assert key(chat(stream=True, stream_options=alone)) == base
-    # (Without a stream an engine refuses stream options: that request is not a plain one.)
-    assert key(chat(stream_options={"continuous_usage_stats": True})) != key(chat())
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,7 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
 - Included: endpoint, model, the full input and every field that can change the output; unknown
   fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
   ``stream_options.include_usage``, ``metadata``, request ids, and all transport headers. Every
-  other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk
-  beside ``include_usage``, and is out of a stream's key without it, where vLLM ignores it;
+  other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk,
   OpenAI's ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
   Per API (``EXCLUDED_BY_KIND``): Responses keeps ``user``, ``metadata``, ``safety_identifier``
   and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
@@ -552,10 +551,6 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             # (include_usage decides only whether the client is sent the usage chunk, which
             # the gateway asks for anyway and hides from those that did not: outside the key)
             options = {k: v for k, v in value.items() if k != "include_usage"}
-            if body.get("stream") is True and value.get("include_usage") is not True:
-                # (vLLM reads continuous_usage_stats only beside include_usage: a stream that
-                # does not ask for the usage gets the same frames with it or without it)
-                options.pop("continuous_usage_stats", None)
             if options:
                 out[name] = _canonical(options)
             continue

@@ -32,7 +32,7 @@ chunk per word of each choice's answer, choice after choice (the word with its l
 the pieces join back to the answer); a chunk with an empty delta and ``finish_reason`` for every
 choice; with ``stream_options.include_usage`` a last chunk with ``"choices": []`` and ``usage``
 (and ``"usage": null`` on the others; with ``continuous_usage_stats`` too, the usage on every
-chunk, as vLLM, which reads it only beside ``include_usage``); then ``data: [DONE]``.
+chunk, as vLLM); then ``data: [DONE]``.
 
 The Responses API (``/v1/responses``): the prompt is ``input`` (a string), or the text of the
 last input item; the answer is ``{"id", "object": "response", "created_at", "status":

@@ -103,11 +103,10 @@ class _Classic(Api):
         body = {**body, "stream": True}
         if ask_usage:
             options = body.get("stream_options")
-            options = dict(options) if isinstance(options, dict) else {}
-            # (vLLM reads it only beside include_usage, which this client did not ask: alone it
-            # changes no frame, and asked with the usage it would put one in every chunk)
-            options.pop("continuous_usage_stats", None)
-            body["stream_options"] = {**options, "include_usage": True}
+            body["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
         return body
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
