@@ -214,6 +214,18 @@ async def test_continuous_usage_stats_gets_a_usage_in_every_chunk_and_no_plain_s
     assert [e for e in events(plain_raw) if e.get("usage") is not None] == []
 
 
+async def test_a_json_request_with_stream_options_is_asked_of_the_engine_not_served_a_plain_200(
+    gw, fake
+):
+    # vLLM and OpenAI refuse stream options without a stream (400): the request was keyed as
+    # the plain one and served its stored 200 (a review).
+    body = tool_body("json with stream options")
+    assert (await gw.client.post(CHAT, json=body)).headers["x-carpool"] == "miss"
+    asked = await gw.client.post(CHAT, json={**body, "stream_options": {"include_usage": True}})
+    assert asked.headers["x-carpool"] == "miss" and fake.count() == 2
+    assert fake.calls[-1].body["stream_options"] == {"include_usage": True}
+
+
 WITHOUT_STREAM_USAGE = {"upstream": {"stream_usage": False}}
 ASKING = {"stream_options": {"include_usage": True}}
 

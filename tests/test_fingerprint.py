@@ -57,7 +57,6 @@ def test_excluded_fields_do_not_change_the_key():
     base = key(chat())
     assert key(chat(user="alice")) == base
     assert key(chat(stream=True, stream_options={"include_usage": True})) == base
-    assert key(chat(stream_options={"include_usage": True})) == base  # (asked without a stream)
     assert key(chat(metadata={"trace": "1"}, request_id="abc")) == base
     # OpenAI's successors of ``user``: an SDK user following its advice shared nothing.
     assert key(chat(safety_identifier="end-user-1", prompt_cache_key="a")) == base
@@ -873,3 +872,12 @@ def test_an_engine_that_samples_past_the_sampling_rule_is_named_by_upstream_engi
     config = Config(upstream={"engine": engine})
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **params}
     assert (key(body, config=config) is not None) is shared
+
+
+def test_stream_options_without_a_stream_are_in_the_key():
+    # vLLM and OpenAI answer such a request 400; it was keyed as the plain request and served
+    # that request's stored 200 (a review).
+    for options in ({"include_usage": True}, {"include_usage": False}, {}):
+        assert key(chat(stream_options=options)) != key(chat()), options
+        assert key(chat(stream=False, stream_options=options)) != key(chat(stream=False))
+    assert key(chat(stream=True, stream_options={"include_usage": True})) == key(chat())

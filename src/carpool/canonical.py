@@ -6,6 +6,7 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   ``stream_options.include_usage``, ``metadata``, request ids, and all transport headers. Every
   other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk,
   OpenAI's ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
+  Without ``"stream": true`` the stream options are in whole (the engines refuse them there).
   Per API (``EXCLUDED_BY_KIND``): Responses keeps ``user``, ``metadata``, ``safety_identifier``
   and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
   a ``metadata`` of at most a ``user_id`` (Anthropic refuses any field it does not know, so
@@ -547,6 +548,15 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
     # space), one spelling was served the other's text back as its own.
     exact = echoes_prompt(body) or body.get("enable_response_messages") not in (None, False)
     for name, value in body.items():
+        if (
+            name == "stream_options"
+            and "stream_options" in excluded
+            and body.get("stream") is not True
+        ):
+            # Without a stream, the engines refuse stream options (vLLM and OpenAI: a 400): that
+            # request is keyed with them, never served a plain request's stored 200.
+            out[name] = _canonical(value)
+            continue
         if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
             # (include_usage decides only whether the client is sent the usage chunk, which
             # the gateway asks for anyway and hides from those that did not: outside the key)
