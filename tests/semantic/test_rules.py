@@ -770,8 +770,17 @@ def test_identifiers_two_exchanged_in_place_are_refused_unless_only_joined():
             "Read c.txt after cp a.txt b.txt",
             "cp a.txt b.txt, then read c.txt",
         ),  # (not one exchange)
+        ("Are a.py as well as b.py tracked?", "Are b.py as well as a.py tracked?"),
+        (
+            "Does package.json plus yarn.lock conflict?",
+            "Does yarn.lock plus package.json conflict?",
+        ),
+        ("HTTP/HTTPS: which is used here?", "HTTPS/HTTP: which is used here?"),
     ):
         assert passes(identifiers.RULE, a, b), (a, b)
+    # A directory's slash is no coordinator (a review: "cp -r my_app/ my_app_backup/" swapped
+    # was served, 0.99).
+    assert identifiers.RULE.differs("mv build_out/ release_dir/", "mv release_dir/ build_out/")
 
 
 # ------------------------------------------------------------------------------ names
@@ -1196,12 +1205,38 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
             "Which team beat Argentina in the 2022 World Cup final?",
         ),
         ("Who does Romeo love?", "Who loves Romeo?"),
+        # A second review's: "whom", "what", words before the question, no "did", a past not
+        # spelled as its verb, the passive (served, 0.98-0.99).
+        (
+            "Whom did Nadal beat in the 2008 Wimbledon final?",
+            "Who beat Nadal in the 2008 Wimbledon final?",
+        ),
+        ("What did the Titanic hit?", "What hit the Titanic?"),
+        ("What animals do foxes hunt?", "What animals hunt foxes?"),
+        ("In the Bible, who did Cain kill?", "In the Bible, who killed Cain?"),
+        ("Do you know who Cain killed?", "Do you know who killed Cain?"),
+        ("Who did Brutus see at Philippi?", "Who saw Brutus at Philippi?"),
+        ("Who was killed by Cain?", "Who killed Cain?"),
+        ("Who was Abraham Lincoln shot by?", "Who was shot by Abraham Lincoln?"),
+        ("Who was Oswald shot by?", "Who did Oswald shoot?"),
     ):
         assert refused(a, b) == "order", (a, b)
     for a, b in (
         ("Who did Cain kill?", "Whom did Cain kill?"),
         ("Who killed Cain?", "Who murdered Cain?"),
         ("Who did Cain kill?", "Who was killed by Cain?"),
+        ("Who was Oswald shot by?", "Who shot Oswald?"),
+        # A verb that holds both ways round asks the same (a review: refused, 0.98-0.99).
+        (
+            "Who did Federer play in the 2008 Wimbledon final?",
+            "Who played Federer in the 2008 Wimbledon final?",
+        ),
+        ("Who did Barack Obama marry?", "Who married Barack Obama?"),
+        ("Which team did Spain face in the final?", "Which team faced Spain in the final?"),
+        ("Who did Nixon debate in 1960?", "Who debated Nixon in 1960?"),
+        # No act of one on the other: "means", "is" are no verb to exchange around.
+        ("Tell me what ROI means", "Tell me what means ROI"),
+        ("What is Python?", "What Python is?"),
     ):
         assert passes(order.RULE, a, b), (a, b)
 
@@ -1215,6 +1250,8 @@ def test_order_a_plural_is_its_singular_in_a_conversion_reversed():
         ("How many cups are in a quart?", "How many quarts are in a cup?"),
         ("How many meters are in a foot?", "How many feet are in a meter?"),
         ("How many inches are in a centimeter?", "How many centimeters are in an inch?"),
+        ("How many sheep does a wolf kill a year?", "How many wolves does a sheep kill a year?"),
+        ("How many geese does a fox eat?", "How many foxes does a goose eat?"),
     ):
         assert refused(a, b) == "order", (a, b)
     assert passes(order.RULE, "How many liters are in a gallon?", "How many liters in one gallon?")
@@ -1488,6 +1525,13 @@ def test_polarity_inverse_actions_of_code_and_tools_are_refused():
         ("How do I pause a Docker container?", "How do I resume a Docker container?"),
     ):
         assert refused(a, b) == "polarity", (a, b)
+    assert (
+        refused(
+            "What is the fastest way of saving a DataFrame?",
+            "What is the fastest way of loading a DataFrame?",
+        )
+        == "polarity"
+    )
     assert passes(polarity.RULE, "How do I read and write files?", "How do I write and read files?")
 
 
@@ -1702,6 +1746,7 @@ def test_every_rule_names_its_own_reason():
         Reason.ENTITY,
         Reason.ORDER,
         Reason.POLARITY,
+        Reason.POLARITY,  # (unread: another language's negation)
         Reason.SUBSTITUTION,
         Reason.RELATION,
         Reason.QUALIFIER,

@@ -159,6 +159,13 @@ def test_qualifiers_a_small_edit_of_a_qualifier_is_refused(a, b):
         ("Is it possible to learn Python in a month?", "Can I learn Python in a month?"),
         ("Explain recursion briefly", "Explain recursion"),
         ("Is it generally safe to fly?", "Is it usually safe to fly?"),
+        # A class said twice is said once (a review: refused, 0.99 to the verifier).
+        (
+            "Has anyone ever climbed Everest without oxygen?",
+            "Has anybody climbed Everest without oxygen?",
+        ),
+        ("Does anybody ever read the terms of service?", "Does anyone read the terms of service?"),
+        ("Do most people generally prefer tea?", "Do people usually prefer tea?"),
     ],
 )
 def test_qualifiers_the_same_qualifier_reworded_passes(a, b):

@@ -59,6 +59,7 @@ __all__ = [
     "MARKED_WORDS",
     "MARKERS",
     "UNMARKED_SHARE",
+    "known",
     "reads_english",
     "script",
 ]
@@ -198,7 +199,7 @@ def _share(plain: list[str]) -> float:
     """The share of ``plain``'s words that are vocabulary words (1 if none), contractions'
     tails apart ("don't": "don" and "t"): the vocabulary splits them so too."""
     words = [part for word in plain for part in word.split("'") if len(part) > 1]
-    return sum(map(_known, words)) / len(words) if words else 1.0
+    return sum(map(known, words)) / len(words) if words else 1.0
 
 
 def _is_marker(word: str) -> bool:
@@ -233,7 +234,7 @@ def _marked(sentence: str) -> bool:
     return _share(plain) >= UNMARKED_SHARE
 
 
-def _known(word: str) -> bool:
+def known(word: str) -> bool:
     """Whether ``word`` is a vocabulary word, or one with an English prefix or ending."""
     if _stem_known(word):
         return True

@@ -28,7 +28,8 @@ refuses, ahead of the model, what the model reads badly:
   "unsafe", "bigger" / "smaller", "closed" / "open", "odd" / "even", "overvalued" /
   "undervalued", "exceed" / "fall short of", "still" / "no longer", "is happening" / "is no
   longer happening", "except"),
-  the kind the verifier was measured to miss;
+  the kind the verifier was measured to miss; and :mod:`.unread`, another language's negation
+  in an English text ("he said se puede" / "he said no se puede", "içilmez" / "içilir");
 - :mod:`.substitution`: one thing named in place of another, the rest word for word ("reset my
   router please" / "reset my modem please", "check my essay" / "check your essay"), which shared
   filler hides from the verifier;
@@ -59,6 +60,7 @@ from . import (
     relations,
     substitution,
     tone,
+    unread,
 )
 
 RULES = (
@@ -69,6 +71,7 @@ RULES = (
     entities.RULE,
     order.RULE,
     polarity.RULE,
+    unread.RULE,
     substitution.RULE,
     relations.RULE,
     qualifiers.RULE,

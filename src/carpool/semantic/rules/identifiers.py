@@ -85,7 +85,9 @@ def _placed(text: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...
             continue
         if _is_identifier(token):
             if last >= 0:
-                joins = re.findall(r"[^\W_]+|[&,/]", text[last : m.start()].lower())
+                gap = text[last : m.start()].lower()
+                # (A slash joins only alone, unspaced: "python2/python3", not "cp a/ b/".)
+                joins = ["/"] if gap == "/" else re.findall(r"[^\W_]+|[&,]", gap)
                 between.append(" ".join(w for w in joins if w not in _ARTICLES))
             at.append(len(words))
             last = m.end()
@@ -98,7 +100,7 @@ def _placed(text: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...
 _JOINING = frozenset(
     f"{comma}{word}".strip()
     for comma in ("", ", ")
-    for word in ("", "and", "or", "nor", "&", "/", "vs", "versus")
+    for word in ("", "and", "or", "nor", "&", "/", "vs", "versus", "plus", "as well as")
 ) - {""}
 
 

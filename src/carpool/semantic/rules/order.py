@@ -48,9 +48,9 @@ side exactly the other, fire too ("Mary gave John the book John wanted"), unless
 ("Python or Java").
 
 A role named by a phrase exchanged with a pronoun ("My friend's dog bit me" / "I bit my
-friend's dog"), an owner exchanged with what it owns ("my wife's brother" / "my brother's
-wife"), and a question asked of the other role ("Who did Cain kill?" / "Who killed Cain?") are
-read by :mod:`.phrases`.
+friend's dog") and an owner exchanged with what it owns ("my wife's brother" / "my brother's
+wife") are read by :mod:`.phrases`; a question asked of the other role ("Who did Cain kill?" /
+"Who killed Cain?") by :mod:`.asked`.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ import re
 from collections import Counter
 
 from ..verdict import Reason, Rule
+from .asked import other_role
 from .directions import reversed_direction
 from .phrases import (
     PERSONS,
-    asked_of_the_other_role,
     exchanged_with_a_phrase,
     folded,
     owner_exchanged,
@@ -272,7 +272,7 @@ def differs(a: str, b: str) -> bool:
         or reversed_direction(b, a)
         or _roles(a, b)
         or _clauses(a, b)
-        or asked_of_the_other_role(lower_words(a), lower_words(b))
+        or other_role(lower_words(a), lower_words(b))
     )
 
 

@@ -101,7 +101,8 @@ still/no_longer prior/subsequent predate/postdate predates/postdates predated/po
 exceed/fall_short exceeds/fall_short exceeded/fall_short exceeding/fall_short
 hi/bye hi/goodbye hello/bye hello/goodbye hey/bye hey/goodbye read/write reading/writing
 load/save copy/paste cut/paste insert/delete pause/resume undo/redo grant/revoke approve/reject
-attach/detach promote/demote
+attach/detach promote/demote saving/loading saved/loaded copying/pasting inserting/deleting
+approved/rejected granted/revoked read/wrote
 好处/坏处 优点/缺点 增加/减少 删除/恢复 上/下 开/关 买/卖 快/慢 高/低 大/小
 """
 

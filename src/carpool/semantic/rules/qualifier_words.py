@@ -78,7 +78,7 @@ QUANTIFIERS = _family(
     some sometimes someone somebody any anyone anybody ever: some
     most usually mostly generally typically normally: most
     many often: many
-    few rarely seldom: few
+    few rarely seldom hardly_ever: few
     none nobody never no_one: none
     only: only
     just: just
@@ -94,6 +94,9 @@ QUANTIFIERS = _family(
     # alone.
     alike="each=all just=only",
     loose="just",
+    # (A class said twice is said: "Has anyone ever climbed..." / "Has anybody climbed...",
+    # "most people generally" / "people usually" were refused while they were counted.)
+    sets=True,
 )
 #: Must, may, should or will ("will I have to" / "might I have to"); asked of a way ("how can I" / "how should I") it is one question.
 MODALITY = _family(

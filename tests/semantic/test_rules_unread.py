@@ -1,0 +1,86 @@
+"""The unread rule (carpool.semantic.rules.unread): another language's negation in an English
+text. The traps are a review's (served before, 0.98-0.99); every check runs both ways."""
+
+from __future__ import annotations
+
+import pytest
+
+from carpool.semantic.guard import refusal
+from carpool.semantic.rules import unread
+
+
+def passes(a: str, b: str) -> bool:
+    assert unread.RULE.differs(a, b) == unread.RULE.differs(b, a), (a, b)
+    return not unread.RULE.differs(a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # a negator of another language on one side
+        (
+            "The receptionist answered tu peux, is that a yes?",
+            "The receptionist answered tu ne peux pas, is that a yes?",
+        ),
+        (
+            "My landlord texted me puoi, can I get a dog?",
+            "My landlord texted me non puoi, can I get a dog?",
+        ),
+        (
+            "The sign says boleh merokok, can I smoke here?",
+            "The sign says tidak boleh merokok, can I smoke here?",
+        ),
+        (
+            "The sign says duoc hut thuoc, can I smoke here?",
+            "The sign says khong duoc hut thuoc, can I smoke here?",
+        ),
+        (
+            "The sign at the pool says dai, is swimming allowed?",
+            "The sign at the pool says mai dai, is swimming allowed?",
+        ),
+        # "no", "i", "an" before a word no English word is
+        ("He said se puede, is that a yes?", "He said no se puede, is that a yes?"),
+        ("She answered sí puedes, did she say yes?", "She answered no puedes, did she say yes?"),
+        ("The sign says efshar, can I park?", "The sign says i efshar, can I park?"),
+        ("The sign says dwaeyo, can I smoke here?", "The sign says an dwaeyo, can I smoke here?"),
+        # an ending that says yes or no
+        (
+            "The sign says sigara içilmez, can I smoke here?",
+            "The sign says sigara içilir, can I smoke here?",
+        ),
+        ("What does park yapılmaz mean on a sign?", "What does park yapılır mean on a sign?"),
+        (
+            "The sign at the pool says dekimasu, is swimming allowed?",
+            "The sign at the pool says dekimasen, is swimming allowed?",
+        ),
+        (
+            "The sign says biliyorum, what does it mean?",
+            "The sign says bilmiyorum, what does it mean?",
+        ),
+    ],
+)
+def test_unread_another_languages_negation_in_an_english_text_is_refused(a, b):
+    assert not passes(a, b)
+    assert refusal(a, b) == refusal(b, a) == "polarity"
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("What is identifier?", "What is an identifier?"),  # ("an" before a vowel: English)
+        ("What happens to streamlines at a boundary?", "What happens to streamline at a boundary?"),
+        ("How do I recieve money on PayPal?", "How do I receive money on PayPal?"),  # (one English)
+        ("What does pho taste like?", "What does the pho taste like?"),
+        ("i cant login to my account", "i can't login to my account"),
+        ("Is it possible to get no fees?", "Is it possible to get fees?"),  # (the verifier's)
+        ("What does Nicht mean?", "What does nicht mean?"),  # (a name, then the same word)
+    ],
+)
+def test_unread_english_and_words_alike_pass(a, b):
+    assert passes(a, b)
+
+
+def test_unread_reads_a_bounded_window_however_long_the_text():
+    long = "word " * 2000
+    assert passes(long + "the sign says dekimasu", long + "the sign says dekimasen") is False
+    assert passes("se puede " * 500, "no se puede " * 500)  # (no small edit: the verifier's)
