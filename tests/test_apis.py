@@ -1121,7 +1121,14 @@ def test_a_stored_chat_completion_has_no_semantic_view():
 )
 @pytest.mark.parametrize(
     "echoing",
-    [{"echo": True}, {"prompt_logprobs": 0}, {"prompt_logprobs": 5}, {"return_token_ids": True}],
+    [
+        {"echo": True},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": 5},
+        {"return_token_ids": True},
+        {"return_prompt_text": True},  # (vLLM's: the rendered prompt, system prompt and all)
+        {"return_prompt_token_ids": True},  # (SGLang's)
+    ],
 )
 def test_a_request_whose_answer_repeats_its_prompt_has_no_semantic_view(path, body, echoing):
     # The answer holds the prompt (echo, vLLM's prompt_logprobs, vLLM's return_token_ids:
@@ -1863,6 +1870,7 @@ async def test_server_tools_and_latest_prompts_are_never_shared(gw, fake, kind, 
         # vLLM's disaggregated prefill: the answer names this request's KV blocks held for its
         # decode (``remote_block_ids``), another client's decode would read them.
         {"kv_transfer_params": {"do_remote_decode": True}},
+        {"ec_transfer_params": {"do_remote_encode": True}},  # (its encoder cache's: unsure)
     ],
 )
 async def test_a_chat_the_upstream_answers_from_the_web_or_a_code_run_is_never_shared(

@@ -200,6 +200,24 @@ async def test_tokens_saved_counts_only_what_the_engine_reported(gw, fake):
     assert after["saved_without_usage"] == 3
 
 
+async def test_continuous_usage_stats_without_include_usage_gets_no_usage_as_from_the_engines(
+    gw, fake
+):
+    # The engines (OpenAI's reading; SGLang; vLLM since its PR #36379) read it only beside
+    # include_usage, which the gateway adds to the call it makes for a client that did not ask:
+    # passed on, it put a usage in every chunk this client would not have had (a review).
+    body = tool_body("continuous alone")
+    alone, raw = await stream(
+        gw, CHAT, {**body, "stream_options": {"continuous_usage_stats": True}}
+    )
+    assert alone.headers["x-carpool"] == "miss"
+    assert [e for e in events(raw) if e.get("usage") is not None] == []
+    assert fake.calls[-1].body["stream_options"] == {"include_usage": True}
+    # (Keyed apart all the same: a plain stream does not share it.)
+    plain, _ = await stream(gw, CHAT, body)
+    assert plain.headers["x-carpool"] == "miss" and fake.count() == 2
+
+
 async def test_continuous_usage_stats_gets_a_usage_in_every_chunk_and_no_plain_stream_its_frames(
     gw, fake
 ):

@@ -249,8 +249,19 @@ def test_a_messages_tool_use_input_keeps_its_key_order():
         ("/v1/completions", {"model": "m", "temperature": 0, "return_token_ids": True}),
         (CHAT, {"model": "m", "temperature": 0, "echo": True}),
         ("/v1/responses", {"model": "m", "temperature": 0, "store": False}),
+        # (vLLM's rendered prompt, SGLang's prompt token ids: an engine review)
+        (CHAT, {"model": "m", "temperature": 0, "return_prompt_text": True}),
+        (CHAT, {"model": "m", "temperature": 0, "return_prompt_token_ids": True}),
     ],
-    ids=["completions-echo", "prompt_logprobs", "return_token_ids", "chat-echo", "responses"],
+    ids=[
+        "completions-echo",
+        "prompt_logprobs",
+        "return_token_ids",
+        "chat-echo",
+        "responses",
+        "return_prompt_text",
+        "return_prompt_token_ids",
+    ],
 )
 def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sent(path, body):
     # The answer carries the prompt (echo, the prompt's tokens or logprobs; a Responses
@@ -299,8 +310,20 @@ def test_an_answer_that_repeats_its_prompt_is_keyed_by_the_prompt_exactly_as_sen
             {"model": "m", "temperature": 0, "prompt": "Hi", "return_token_ids": True},
             False,
         ),
+        # vLLM refuses prompt_logprobs with a stream (but 0) and sends them in a whole answer
+        # only: a stream was served the JSON answer's hit (an engine review).
+        (
+            CHAT,
+            {
+                "model": "m",
+                "temperature": 0,
+                "prompt_logprobs": 1,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+            True,
+        ),
     ],
-    ids=["completions-echo", "echo-logprobs", "chat-echo", "return_token_ids"],
+    ids=["completions-echo", "echo-logprobs", "chat-echo", "return_token_ids", "prompt_logprobs"],
 )
 def test_an_echo_request_is_keyed_apart_streamed_or_not(path, body, apart):
     # llama.cpp's server repeats the prompt (echo) in a whole answer, not in a stream: the
@@ -312,7 +335,7 @@ def test_an_echo_request_is_keyed_apart_streamed_or_not(path, body, apart):
     assert streamed is not None
     assert (streamed != key(body, path=path)) is apart
     assert key(body, path=path) == key({**body, "stream": False}, path=path)
-    plain = {k: v for k, v in body.items() if k != "echo"}
+    plain = {k: v for k, v in body.items() if k not in ("echo", "prompt_logprobs")}
     assert key({**plain, "stream": True}, path=path) == key(plain, path=path)
 
 

@@ -31,7 +31,8 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   Responses ``instructions``, which every Responses answer repeats, always is. Folded, one
   spelling was served the other's text back, word for word, as its own. One with ``echo`` has
   ``stream`` in its key too: engines repeat the prompt in a whole answer and not always in a
-  stream (llama.cpp's server), so a stream's answer is no JSON client's.
+  stream (llama-cpp-python's server), so a stream's answer is no JSON client's; so has one
+  with ``prompt_logprobs`` (vLLM refuses it streamed, and sends it only in a whole answer).
 - Two exceptions, where what looks the same is not to the engine: the fields that carry a JSON
   schema, a tool's definition or a chat template's arguments (``ORDERED_FIELDS``), and the
   ``input`` of a Messages ``tool_use`` block, keep their key order, their strings exact and
@@ -584,11 +585,15 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             out[name] = _ordered(value)
         else:
             out[name] = _canonical(value)
-    if body.get("echo") not in (None, False) and "stream" in excluded:
-        # Engines repeat the prompt in a whole answer and not always in a stream (llama.cpp's
-        # server: ``echo`` only in the whole one): the answer assembled from a stream was
-        # served to, and joined by, the request's JSON clients without its prompt. (vLLM's
-        # ``return_token_ids`` streams the prompt's ids in its first chunk: one answer.)
+    if (
+        body.get("echo") not in (None, False) or body.get("prompt_logprobs") is not None
+    ) and "stream" in excluded:
+        # Engines repeat the prompt in a whole answer and not always in a stream
+        # (llama-cpp-python's server: ``echo`` only in the whole one): the answer assembled
+        # from a stream was served to, and joined by, the request's JSON clients without its
+        # prompt. vLLM refuses ``prompt_logprobs`` with a stream (but 0), and only its whole
+        # answer carries them: a stream was served the JSON answer's hit, or refused on a miss.
+        # (vLLM's ``return_token_ids`` streams the prompt's ids in its first chunk: one answer.)
         out["stream"] = body.get("stream") is True
     return out
 

@@ -35,7 +35,7 @@ Contract:
 - Assembly is the engine's non-streaming answer for the stream shapes real servers send, not
   only for ``synthesize``'s: a tool call's (or legacy ``function_call``'s) ``id`` and ``type``
   are kept from their first delta, and its ``name`` is sent once (OpenAI, vLLM), in pieces, or
-  repeated whole in every delta (llama.cpp's server, which repeats ``id``, ``type`` and ``name``
+  repeated whole in every delta (llama-cpp-python's server, which repeats ``id``, ``type`` and ``name``
   with each piece of the arguments): a name delta equal to the whole name so far is a repeat,
   not more of the name (so a name streamed as two equal halves, ``"ab"`` + ``"ab"``, reads as
   ``"ab"``: no engine is known to split names so). ``arguments`` always concatenate. A call's
@@ -235,7 +235,7 @@ class _ToolCall:
 
     def add(self, delta: dict[str, Any]) -> None:
         # id and type come in the first delta of a call (some engines repeat them: the first
-        # is kept). The name comes once, whole, from OpenAI and vLLM, but llama.cpp's server
+        # is kept). The name comes once, whole, from OpenAI and vLLM; llama-cpp-python's server
         # repeats it whole in every delta, with each piece of the arguments: a piece equal to
         # the whole name so far is that repeat, not more of the name.
         if self.id is None:

@@ -339,6 +339,7 @@ async def test_a_continuation_finishing_when_its_response_is_deleted_is_joined_b
     [
         ({"prompt_token_ids": [101, 7592, 102]}, False),
         ({"prompt_logprobs": [None, {"7592": {"logprob": -1.5}}]}, False),
+        ({"prompt_text": "<|user|>How do I reset my router?"}, False),  # (vLLM's)
         ({"prompt_token_ids": None, "prompt_logprobs": None}, True),  # (written null: none)
     ],
 )

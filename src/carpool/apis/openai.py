@@ -95,7 +95,8 @@ class _Classic(Api):
         # vLLM's disaggregated prefill (its proxies send it to ``/v1/completions``, or chat):
         # the answer names this request's KV blocks, held for its own decode
         # (``remote_block_ids``); another client's decode would read them.
-        if body.get("kv_transfer_params") is not None:
+        # (And its encoder cache's, ``ec_transfer_params``, alike: when unsure, not shared.)
+        if body.get("kv_transfer_params") is not None or body.get("ec_transfer_params") is not None:
             return "engine_state"
         return super().never_shared(body)
 
@@ -103,10 +104,12 @@ class _Classic(Api):
         body = {**body, "stream": True}
         if ask_usage:
             options = body.get("stream_options")
-            body["stream_options"] = {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            }
+            options = dict(options) if isinstance(options, dict) else {}
+            # (The engines read it only beside include_usage, which this client did not ask:
+            # alone it changes no frame, and asked beside the usage it would put one in every
+            # chunk; its stream is keyed apart all the same, ``canonical``.)
+            options.pop("continuous_usage_stats", None)
+            body["stream_options"] = {**options, "include_usage": True}
         return body
 
     def usage_only(self, chunk: dict[str, Any]) -> bool:
@@ -345,16 +348,21 @@ def _audio(body: dict[str, Any]) -> bool:
 def echoes_prompt(body: Mapping[str, Any]) -> bool:
     """Whether the answer carries the request's own prompt: ``echo`` (the text is the prompt
     and then the completion; vLLM's chat prepends the last message), vLLM's
-    ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too) or its
-    ``return_token_ids`` (``prompt_token_ids``: the prompt as token ids, which decode to it).
-    Served to a paraphrase, such an answer would hand it another request's prompt word for
-    word."""
+    ``prompt_logprobs`` (the prompt's tokens, any value but null: 0 asks for them too), its
+    ``return_token_ids`` (``prompt_token_ids``: the prompt as token ids, which decode to it) or
+    ``return_prompt_text`` (``prompt_text``: the prompt as the chat template rendered it, system
+    prompt and all), or SGLang's ``return_prompt_token_ids``. Served to a paraphrase, such an
+    answer would hand it another request's prompt word for word."""
     echo = body.get("echo")
     return (
         (echo is not None and echo is not False)
         or body.get("prompt_logprobs") is not None
-        or body.get("return_token_ids") not in (None, False)
+        or any(body.get(name) not in (None, False) for name in _PROMPT_ASKED)
     )
+
+
+#: Fields that ask an engine to send the prompt back (vLLM's, SGLang's).
+_PROMPT_ASKED = ("return_token_ids", "return_prompt_text", "return_prompt_token_ids")
 
 
 # The answer's own copy of its prompt, whichever request field asked for it (vLLM's
@@ -372,7 +380,9 @@ def unfinished(prompt: str) -> int:
     return ends[-1] if ends else 0
 
 
-_PROMPT_IN_ANSWER = re.compile(rb'"(?:prompt_(?:token_ids|logprobs)|input_messages)"\s*:\s*[^\sn]')
+_PROMPT_IN_ANSWER = re.compile(
+    rb'"(?:prompt_(?:token_ids|logprobs|text)|input_messages)"\s*:\s*[^\sn]'
+)
 
 
 def answer_repeats_prompt(body: bytes) -> bool:
