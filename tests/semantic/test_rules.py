@@ -1219,6 +1219,13 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
         ("Who was killed by Cain?", "Who killed Cain?"),
         ("Who was Abraham Lincoln shot by?", "Who was shot by Abraham Lincoln?"),
         ("Who was Oswald shot by?", "Who did Oswald shoot?"),
+        # "play" and "draw" hold both ways round in a match only (a third review: the first
+        # version passed them, and served "Who did Heath Ledger play?" / "Who played...").
+        (
+            "Who did Heath Ledger play in The Dark Knight?",
+            "Who played Heath Ledger in The Dark Knight?",
+        ),
+        ("Who did Picasso draw?", "Who drew Picasso?"),
     ):
         assert refused(a, b) == "order", (a, b)
     for a, b in (
@@ -1227,10 +1234,6 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
         ("Who did Cain kill?", "Who was killed by Cain?"),
         ("Who was Oswald shot by?", "Who shot Oswald?"),
         # A verb that holds both ways round asks the same (a review: refused, 0.98-0.99).
-        (
-            "Who did Federer play in the 2008 Wimbledon final?",
-            "Who played Federer in the 2008 Wimbledon final?",
-        ),
         ("Who did Barack Obama marry?", "Who married Barack Obama?"),
         ("Which team did Spain face in the final?", "Which team faced Spain in the final?"),
         ("Who did Nixon debate in 1960?", "Who debated Nixon in 1960?"),
@@ -1533,6 +1536,22 @@ def test_polarity_inverse_actions_of_code_and_tools_are_refused():
         == "polarity"
     )
     assert passes(polarity.RULE, "How do I read and write files?", "How do I write and read files?")
+
+
+def test_polarity_a_reply_reported_yes_against_no_is_refused():
+    # A reply after "said", "answered"... was read only at a clause's start (a review: "she
+    # answered sure" / "she answered no way" served, 0.984).
+    for a, b in (
+        (
+            "She answered sure when I asked, did she say yes?",
+            "She answered no way when I asked, did she say yes?",
+        ),
+        ("He said yes when I asked, can I go?", "He said no when I asked, can I go?"),
+        ("My boss replied ok to my request", "My boss replied nope to my request"),
+    ):
+        assert refused(a, b) == "polarity", (a, b)
+    assert passes(polarity.RULE, "He said no problem when I asked", "He said sure when I asked")
+    assert passes(polarity.RULE, "She texted yes", "She replied yes")
 
 
 def test_polarity_a_word_with_two_opposites_is_refused_both_ways():

@@ -38,11 +38,19 @@ def passes(a: str, b: str) -> bool:
             "The sign at the pool says dai, is swimming allowed?",
             "The sign at the pool says mai dai, is swimming allowed?",
         ),
-        # "no", "i", "an" before a word no English word is
+        # "no" before a word no English word is, which both sides say
         ("He said se puede, is that a yes?", "He said no se puede, is that a yes?"),
         ("She answered sí puedes, did she say yes?", "She answered no puedes, did she say yes?"),
-        ("The sign says efshar, can I park?", "The sign says i efshar, can I park?"),
-        ("The sign says dwaeyo, can I smoke here?", "The sign says an dwaeyo, can I smoke here?"),
+        # Swedish, Norwegian, Dutch (a review: served, 0.99)
+        (
+            "The sign says hundar tillåtna, can I walk my dog?",
+            "The sign says hundar inte tillåtna, can I walk my dog?",
+        ),
+        ("The sign says ikke røyk, can I smoke?", "The sign says røyk, can I smoke?"),
+        (
+            "He told me honden toegestaan, can I bring mine?",
+            "He told me geen honden toegestaan, can I bring mine?",
+        ),
         # an ending that says yes or no
         (
             "The sign says sigara içilmez, can I smoke here?",
@@ -74,10 +82,29 @@ def test_unread_another_languages_negation_in_an_english_text_is_refused(a, b):
         ("i cant login to my account", "i can't login to my account"),
         ("Is it possible to get no fees?", "Is it possible to get fees?"),  # (the verifier's)
         ("What does Nicht mean?", "What does nicht mean?"),  # (a name, then the same word)
+        # English around product names the vocabulary lacks, chat filler, a product's other
+        # name (a review: a first version refused them, "i" and "an" read as negators).
+        ("how to install numpy on ubuntu", "how do i install numpy on ubuntu"),
+        ("how do I generate an ssh key", "how to generate ssh key"),
+        ("no prob, what is an api", "what is an api"),
+        ("how to tune postgres for writes", "how to tune postgresql for writes"),
+        ("how to delet a file in linux", "how to delete a file in linux"),
     ],
 )
 def test_unread_english_and_words_alike_pass(a, b):
     assert passes(a, b)
+
+
+def test_unread_is_symmetric_whichever_prompt_was_stored():
+    # A first version counted negators per difflib opcode, which aligns the two orders
+    # otherwise: "how to add a favicon in nextjs" / "how do i add favicon to nextjs" was refused
+    # one way and served the other (a review).
+    for verb in ("add", "install", "remove"):
+        for thing in ("a favicon", "a sidebar", "a webhook"):
+            for tool in ("nextjs", "wordpress", "vuejs"):
+                a = f"how to {verb} {thing} in {tool}"
+                b = f"how do i {verb} {thing.removeprefix('a ')} to {tool}"
+                assert unread.RULE.differs(a, b) == unread.RULE.differs(b, a), (a, b)
 
 
 def test_unread_reads_a_bounded_window_however_long_the_text():

@@ -13,7 +13,7 @@ two words after it: "which team"; "whom" read as "who") and the same after what 
 
 ``X`` is one to :data:`LONGEST` words, the verb the same in any form ("kill" / "killed", "shoot"
 / "shot", "see" / "saw": :data:`_PAST`). Not a verb that holds both ways round (:data:`_MUTUAL`:
-"Who did Federer play in the final?" / "Who played Federer in the final?" ask the same), nor a
+"Who did Obama marry?" / "Who married Obama?" ask the same), nor a
 form of "be", "have", "do" or "mean" ("Tell me what ROI means" / "...what means ROI"). Only
 around the first place the two sides differ: linear in the words.
 """
@@ -30,11 +30,10 @@ _NO_ACT = frozenset(
     """be is are was were am been being have has had do does did mean means meant can could
     will would shall should may might must""".split()
 )
-#: Verbs that hold both ways round, their beginnings: who played whom is who whom played.
-_MUTUAL = tuple(
-    "play face marr wed date meet met fight fought battl debat kiss divorc hug resembl tie draw"
-    " drew".split()
-)
+#: Verbs that hold both ways round, their beginnings: who married whom is who whom married.
+#: Not "play" or "draw", which do in a match but not on a stage or a canvas ("Who did Heath
+#: Ledger play?" / "Who played Heath Ledger?": a review had them served).
+_MUTUAL = tuple("face marr wed date meet met fight fought battl debat divorc resembl".split())
 #: Past forms that do not start as their verb does ("saw" / "see").
 _PAST = dict(
     pair.split("/")
@@ -42,7 +41,8 @@ _PAST = dict(
     caught/catch told/tell bought/buy sold/sell found/find made/make gave/give given/give
     took/take taken/take left/leave chose/choose chosen/choose bit/bite bitten/bite
     struck/strike stole/steal stolen/steal threw/throw thrown/throw led/lead fed/feed held/hold
-    brought/bring sought/seek hid/hide""".split()
+    brought/bring sought/seek hid/hide drew/draw drawn/draw wrote/write written/write sang/sing
+    spoke/speak broke/break forgave/forgive froze/freeze rode/ride drove/drive""".split()
 )
 
 

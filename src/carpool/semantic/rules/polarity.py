@@ -40,7 +40,8 @@ not counted: they are read with "still" and against each other. One "no" is read
 the negators: each clause's reply, yes ("yes", "yeah", "yep", "yup", "sure", "ok") or no
 ("no", "nope", "nah"), a yes on one side where the other says no (clause by clause when both
 reply as often): "yes, go ahead" / "no, go ahead" was served (0.983); "No problem, ..." is no
-reply (:data:`_FIRST_REPLY`, :data:`_LATER_REPLY`).
+reply (:data:`_FIRST_REPLY`, :data:`_LATER_REPLY`); nor is a reported one other: "she answered
+sure" / "...no way" (:data:`_REPORTED`).
 """
 
 from __future__ import annotations
@@ -248,6 +249,13 @@ _LATER_REPLY = re.compile(
     re.I,
 )
 _NO = frozenset("no nope nah".split())
+#: A reply reported: "she answered sure" / "she answered no way" (served, 0.984).
+_REPORTED = re.compile(
+    r"\b(?:said|says|answered|replied|texted|wrote|responded|told (?:me|us))\s++['\"“]?"
+    r"(?P<word>yes|yeah|yep|yup|sure|ok|okay|no|nope|nah)\b(?!['’-])"
+    + _NO_PHRASE.replace("way|", ""),  # ("no way" is a no; "no problem" is none)
+    re.I,
+)
 
 
 @memo
@@ -258,6 +266,7 @@ def _replies(text: str) -> tuple[str, ...]:
     said = [m.group("word") for m in _LATER_REPLY.finditer(flat, first.end() if first else 0)]
     if first is not None:
         said.insert(0, first.group("word"))
+    said += [m.group("word") for m in _REPORTED.finditer(flat)]
     return tuple("no" if word.lower() in _NO else "yes" for word in said)
 
 
