@@ -1226,6 +1226,10 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
             "Who played Heath Ledger in The Dark Knight?",
         ),
         ("Who did Picasso draw?", "Who drew Picasso?"),
+        # A particle after the verb, "got" for "was" (a fourth review: served, 0.98-0.99).
+        ("Who did Taylor Swift write about?", "Who wrote about Taylor Swift?"),
+        ("Who did Einstein work for?", "Who worked for Einstein?"),
+        ("Who got fired by Trump?", "Who fired Trump?"),
     ):
         assert refused(a, b) == "order", (a, b)
     for a, b in (
@@ -1235,6 +1239,7 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
         ("Who was Oswald shot by?", "Who shot Oswald?"),
         # A verb that holds both ways round asks the same (a review: refused, 0.98-0.99).
         ("Who did Barack Obama marry?", "Who married Barack Obama?"),
+        ("Who did Einstein work with?", "Who worked with Einstein?"),
         ("Which team did Spain face in the final?", "Which team faced Spain in the final?"),
         ("Who did Nixon debate in 1960?", "Who debated Nixon in 1960?"),
         # No act of one on the other: "means", "is" are no verb to exchange around.

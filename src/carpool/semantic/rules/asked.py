@@ -24,7 +24,10 @@ from .phrases import LONGEST
 
 _WH = frozenset({"who", "whom", "which", "what"})
 _DO = frozenset({"did", "does", "do"})
-_BE = frozenset({"was", "were", "is", "are"})
+_BE = frozenset({"was", "were", "is", "are", "got", "gets", "get"})  # ("who got fired by")
+#: A verb's particle or preposition left after it: "Who did Einstein work for?" (not "with":
+#: "Who did Einstein work with?" asks who worked with him).
+_PARTICLES = frozenset((w,) for w in "about for to at on out up off after over against".split())
 #: Forms that name no act of one on the other.
 _NO_ACT = frozenset(
     """be is are was were am been being have has had do does did mean means meant can could
@@ -65,10 +68,14 @@ def _named(words: tuple[str, ...]) -> bool:
 def _forms(x: tuple[str, ...], y: tuple[str, ...]) -> bool:
     """``x`` and ``y``, from just after the question (and its noun), ask the other role."""
     for size in range(1, LONGEST + 1):
-        # who did X kill R / who killed X R
+        # who did X kill R / who killed X R; who did X write about R / who wrote about X R
         if x[:1] and x[0] in _DO and len(x) > size + 1 and y[1 : 1 + size] == x[1 : 1 + size]:
             if y[1 + size :] == x[2 + size :] and _same_verb(x[1 + size], y[0]):
                 return True
+        if x[:1] and x[0] in _DO and x[2 + size : 3 + size] == y[1:2] and y[1:2] in _PARTICLES:
+            if y[2 : 2 + size] == x[1 : 1 + size] and y[2 + size :] == x[3 + size :]:
+                if len(x) > size + 1 and _same_verb(x[1 + size], y[0]):
+                    return True
         # who X killed R / who killed X R ("what ROI means" / "what means ROI": no verb to
         # read "means" as X, "ROI" as a verb, the other way round)
         named = x[:size]

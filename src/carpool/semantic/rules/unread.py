@@ -9,12 +9,14 @@ of them served. Between the words both sides start and end with, at most :data:`
 side (a longer edit is the verifier's), the rule fires when:
 
 - a negator of another language (:data:`NEGATORS`: "pas", "nicht", "inte", "tidak"...) is
-  said more often on one side, or "no" is, before a word no English word is that both sides
-  say ("no se puede" / "se puede", "no puedes" / "sí puedes"; not "no prob, what is an API" /
-  "what is an API": chat filler, its word on one side only);
+  said more often on one side, or "no" alone is the edit, against nothing or a yes, before a
+  word no English word is that both sides say ("no se puede" / "se puede", "no puedes" / "sí
+  puedes"; not "no wifi on ubuntu" / "wifi not working on ubuntu", a wider edit, nor before
+  a contraction or a chat spelling: "no i don't want it", "no idk how");
 - a word no English word is is written on both sides another way, the two beginning alike,
-  neither the other's beginning ("içilmez" / "içilir", "dekimasu" / "dekimasen", "biliyorum" /
-  "bilmiyorum": an ending that says yes or no; not "postgres" / "postgresql", nor a plural).
+  neither the other's beginning nor one typo from it ("içilmez" / "içilir", "dekimasu" /
+  "dekimasen": an ending that says yes or no; not "postgres" / "postgresql", "kubernets" /
+  "kubernetes", a plural; nor Turkish's "-m-", "biliyorum" / "bilmiyorum", one letter apart).
 
 An English word is one of the verifier's vocabulary, with an English ending or prefix
 (:func:`carpool.semantic.english.known`), which lacks many product names ("numpy", "kubectl"):
@@ -36,7 +38,7 @@ MOST = 3
 #: Negators of other languages that English does not write as words.
 NEGATORS = frozenset(
     """pas ne non mai tidak bukan ei mish khong không nicht kein keine nie niet geen inte ikke
-    ingen ej nunca não nao değil degil yok nem""".split()
+    ingen ej nunca não nao değil degil yok nem hindi""".split()
 )
 _WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)?")
 Word = tuple[str, str]  # (as written, lower-cased)
@@ -59,26 +61,51 @@ def _unread(word: Word) -> bool:
     return len(lower) >= 3 and written.islower() and not known(lower)
 
 
-def _negators(words: tuple[Word, ...], lo: int, hi: int, other: frozenset[str]) -> int:
-    """The negators among ``words[lo:hi]``; "no" only before a word no English word is that
-    the other side says too (``other``)."""
-    count = 0
-    for k in range(lo, hi):
-        written, lower = words[k]
-        if not written.islower():
-            continue
-        if lower in NEGATORS:
-            count += 1
-        elif lower == "no":
-            count += any(_unread(w) and w[1] in other for w in words[k + 1 : k + 3])
-    return count
+def _negators(words: tuple[Word, ...]) -> int:
+    return sum(lower in NEGATORS and written.islower() for written, lower in words)
+
+
+#: A yes of another language that "no" may stand in place of ("sí puedes" / "no puedes").
+_YES = frozenset("sí si oui ja da sim evet hai ya".split())
+#: Chat spellings the vocabulary lacks, no foreign words ("no u cant", "no idk").
+_CHAT = frozenset("dont cant wont isnt doesnt didnt idk im ive ur pls plz thx".split())
+
+
+def _no_added(
+    side: tuple[Word, ...], at: int, edit: tuple[Word, ...], other: frozenset[str]
+) -> bool:
+    """The edit on ``side`` (at ``at``) is a lower-case "no" alone, the other side's nothing or
+    a yes (``other``: its words, the edit's first), before a word no English word is that both
+    sides say: "no se puede" / "se puede". Not before a contraction or a chat spelling, nor in
+    a wider edit: "no i don't want it", "no wifi on ubuntu" / "wifi not working on ubuntu"."""
+    if len(edit) != 1 or edit[0] != ("no", "no"):
+        return False
+    return any(
+        _unread(w) and "'" not in w[1] and w[1] not in _CHAT and w[1] in other
+        for w in side[at + 1 : at + 3]
+    )
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """``a`` and ``b`` one typo apart: a letter added, dropped, changed or two swapped."""
+    if abs(len(a) - len(b)) > 1:
+        return False
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return (
+        a[i + 1 :] == b[i + 1 :]
+        or a[i:] == b[i + 1 :]
+        or a[i + 1 :] == b[i:]
+        or (a[i : i + 2] == b[i : i + 2][::-1] and a[i + 2 :] == b[i + 2 :])
+    )
 
 
 def _inflected(x: Word, y: Word) -> bool:
     """Two words no English word is, beginning alike, neither the other's beginning (nor its
-    plural)."""
+    plural), nor a typo of it ("kubernets" / "kubernetes", "chatgtp" / "chatgpt")."""
     a, b = x[1], y[1]
-    if a.startswith(b) or b.startswith(a) or not (_unread(x) and _unread(y)):
+    if a.startswith(b) or b.startswith(a) or _one_edit(a, b) or not (_unread(x) and _unread(y)):
         return False
     if a.removesuffix("s") == b.removesuffix("s") or a.removesuffix("es") == b.removesuffix("es"):
         return False
@@ -98,8 +125,12 @@ def _differs(a: tuple[Word, ...], b: tuple[Word, ...]) -> bool:
     x, y = a[start : len(a) - end], b[start : len(b) - end]
     if not (x or y) or len(x) > MOST or len(y) > MOST:
         return False
+    if _negators(x) != _negators(y):
+        return True
+    yes_a = not x or (len(x) == 1 and x[0][1] in _YES)
+    yes_b = not y or (len(y) == 1 and y[0][1] in _YES)
     said_a, said_b = frozenset(w for _, w in a), frozenset(w for _, w in b)
-    if _negators(a, start, len(a) - end, said_b) != _negators(b, start, len(b) - end, said_a):
+    if (yes_b and _no_added(a, start, x, said_b)) or (yes_a and _no_added(b, start, y, said_a)):
         return True
     return any(_inflected(u, v) for u in x for v in y)
 
