@@ -218,6 +218,26 @@ async def test_continuous_usage_stats_without_include_usage_gets_no_usage_as_fro
     assert plain.headers["x-carpool"] == "miss" and fake.count() == 2
 
 
+@pytest.mark.parametrize("first", ["alone", "with include_usage"])
+async def test_continuous_usage_stats_alone_and_beside_include_usage_never_share_their_frames(
+    gw, fake, first
+):
+    # Both were keyed alike (include_usage out of the key) while only one call passes the
+    # option on: whichever came first, the other was served its shape (a review).
+    body = tool_body(f"continuous, {first} first")
+    shapes = {
+        "alone": {"continuous_usage_stats": True},
+        "with include_usage": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    order = [first, *(shape for shape in shapes if shape != first)]
+    for shape in order:
+        response, raw = await stream(gw, CHAT, {**body, "stream_options": shapes[shape]})
+        assert response.headers["x-carpool"] == "miss", shape
+        usage = [e.get("usage") is not None for e in events(raw)]
+        assert all(usage) if shape == "with include_usage" else not any(usage), shape
+    assert fake.count() == 2
+
+
 async def test_continuous_usage_stats_gets_a_usage_in_every_chunk_and_no_plain_stream_its_frames(
     gw, fake
 ):

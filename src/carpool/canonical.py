@@ -3,10 +3,12 @@
 Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how it is spelled):
 - Included: endpoint, model, the full input and every field that can change the output; unknown
   fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
-  ``stream_options.include_usage``, ``metadata``, request ids, and all transport headers. Every
-  other stream option is in (vLLM's ``continuous_usage_stats`` puts a usage in every chunk,
-  OpenAI's ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
-  Without ``"stream": true`` the stream options are in whole (the engines refuse them there).
+  ``stream_options.include_usage`` (but beside ``continuous_usage_stats``), ``metadata``,
+  request ids, and all transport headers. Every other stream option is in (vLLM's
+  ``continuous_usage_stats`` puts a usage in every chunk, OpenAI's ``include_obfuscation`` pads
+  them: frames a client that did not ask was replayed).
+  Without ``"stream": true`` the stream options are in whole (the engines refuse them there;
+  null or ``{}`` out).
   Per API (``EXCLUDED_BY_KIND``): Responses keeps ``user``, ``metadata``, ``safety_identifier``
   and ``prompt_cache_key`` in (its answer echoes them); Messages leaves out only ``stream`` and
   a ``metadata`` of at most a ``user_id`` (Anthropic refuses any field it does not know, so
@@ -555,13 +557,19 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
             and body.get("stream") is not True
         ):
             # Without a stream, the engines refuse stream options (vLLM and OpenAI: a 400): that
-            # request is keyed with them, never served a plain request's stored 200.
-            out[name] = _canonical(value)
+            # request is keyed with them, never served a plain request's stored 200. (Null or
+            # {}, vLLM takes: out.)
+            if value:
+                out[name] = _canonical(value)
             continue
         if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
             # (include_usage decides only whether the client is sent the usage chunk, which
             # the gateway asks for anyway and hides from those that did not: outside the key)
             options = {k: v for k, v in value.items() if k != "include_usage"}
+            if options.get("continuous_usage_stats") not in (None, False):
+                # (Beside it, include_usage puts a usage in every chunk, which the gateway does
+                # not hide: in the key. A review: the first client's shape was served the next.)
+                options["include_usage"] = value.get("include_usage") is True
             if options:
                 out[name] = _canonical(options)
             continue
