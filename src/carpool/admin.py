@@ -104,6 +104,9 @@ def gauges(layers: Layers) -> dict[str, Any]:
                         "entries_shed": semantic.entries_shed,
                         # (a setting to correct, said once in the log: ``embed_problem``)
                         "embed_problem": semantic.embed_problem,
+                        # (candidates refused, by the guard's reason: a rule's, the
+                        # verifier's "meaning", the judge's "judge", an audit's "audit"...)
+                        "refused": dict(sorted(semantic.rejections.items())),
                     }
                 }
                 if semantic

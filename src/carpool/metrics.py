@@ -393,6 +393,15 @@ class _StatsCollector(Collector):
             shed.add_metric(["lookup"], semantic["lookups_shed"])
             shed.add_metric(["entry"], semantic["entries_shed"])
             yield shed
+            refused = CounterMetricFamily(
+                "carpool_semantic_refusals",
+                "Semantic candidates refused, by the guard's reason: a rule's, the verifier's "
+                "(meaning, context), the judge's, an audit's...",
+                labels=["reason"],
+            )
+            for reason, count in semantic["refused"].items():
+                refused.add_metric([reason], count)
+            yield refused
             yield CounterMetricFamily(
                 "carpool_semantic_lookups_joined",
                 "Semantic lookups that joined an identical request's lookup in progress.",

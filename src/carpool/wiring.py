@@ -164,6 +164,12 @@ def build_layers(
     if semantic is None:
         # (``batcher.lists``: the embedder's lists are merged only where the gateway's would be)
         semantic = build_semantic(config, via_replicas, store, judge, clock, batcher.lists)
+    if semantic is not None and config.semantic.max_wrong_rate and not config.semantic.audit_rate:
+        log.warning(
+            "semantic.max_wrong_rate: with semantic.audit_rate 0 no hit is audited, so only "
+            "feedback (POST /admin/semantic/feedback) moves the error budget; set "
+            "semantic.audit_rate to audit a share of the hits"
+        )
     audits = (
         Audits(
             config.semantic.audit_rate,

@@ -6,7 +6,8 @@ questions yes or no from labels, counting its calls.
 - "do these answers agree?" (``ANSWERS_AGREE``): yes when the two answers are the same text, or
   the pair is in ``agree``.
 - ``fail_status`` answers that status instead; ``hang`` holds every call until released;
-  ``reply`` overrides the text answered (the yes/no protocol's tests); ``padding`` bytes of
+  ``reply`` overrides the text answered (the yes/no protocol's tests), ``body`` the whole
+  JSON body answered (a reply of another shape); ``padding`` bytes of
   whitespace follow the reply's JSON (a reply body of any size).
 - A conversation's request (an object of ``earlier_turns`` and ``last_message``) is read as
   its two texts joined by a newline.
@@ -33,6 +34,7 @@ class FakeJudge:
         self.fail_status: int | None = None
         self.hang: asyncio.Event | None = None
         self.reply: str | None = None
+        self.body: Any = None
         self.padding = 0
 
     def says_same(self, a: str, b: str) -> None:
@@ -68,6 +70,8 @@ class FakeJudge:
             await self.hang.wait()
         if self.fail_status is not None:
             status, payload = self.fail_status, {"error": {"message": "judge down"}}
+        elif self.body is not None:
+            status, payload = 200, self.body
         else:
             text = self.reply if self.reply is not None else ("Yes." if yes else "No.")
             status = 200

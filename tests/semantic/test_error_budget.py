@@ -144,7 +144,9 @@ async def test_outside_the_band_the_judge_is_not_asked(fake, gateway_with, judge
         assert fake_judge.calls() == 0
 
 
-@pytest.mark.parametrize("failure", ["500", "timeout", "not yes"])
+@pytest.mark.parametrize(
+    "failure", ["500", "timeout", "not yes", "a bare yes", "a completion's text"]
+)
 async def test_a_failing_judge_is_a_miss(fake, gateway_with, judge, failure):
     fake_judge, url = judge
     fake_judge.decide = lambda a, b: True
@@ -152,6 +154,10 @@ async def test_a_failing_judge_is_a_miss(fake, gateway_with, judge, failure):
         fake_judge.fail_status = 500
     elif failure == "timeout":
         fake_judge.hang = asyncio.Event()
+    elif failure == "a bare yes":  # (no chat completion: read as "yes" before, a review)
+        fake_judge.body = "yes"
+    elif failure == "a completion's text":
+        fake_judge.body = {"choices": [{"index": 0, "text": "yes"}]}
     else:
         fake_judge.reply = "Probably yes"
     config = semantic(url, judge={"band": [0.0, 1.0], "timeout_ms": 50})
@@ -220,6 +226,20 @@ async def test_a_judge_reply_past_the_cap_is_a_miss_and_a_failure(fake, gateway_
         assert gw.gateway.layers.judge.failures == 1
         fake_judge.padding = 0
         assert outcome(await ask(gw, PARAPHRASES[1])) == "semantic-hit"  # (the same judge)
+
+
+async def test_an_error_budget_without_audits_is_warned_about_at_start(fake, gateway_with, caplog):
+    # With audit_rate 0 (the default) only feedback moves the budget: an operator who set one
+    # had none in practice, silently (a review).
+    said = "semantic.max_wrong_rate: with semantic.audit_rate 0 no hit is audited"
+    async with gateway_with(semantic={"enabled": True, "max_wrong_rate": 0.1}):
+        pass
+    assert [r for r in caplog.records if r.levelname == "WARNING" and said in r.getMessage()]
+    caplog.clear()
+    budgeted = {"enabled": True, "max_wrong_rate": 0.1, "audit_rate": 0.2}
+    async with gateway_with(semantic=budgeted):
+        pass
+    assert not [r for r in caplog.records if said in r.getMessage()]
 
 
 async def test_a_judge_through_keyless_upstreams_is_warned_about_at_start(

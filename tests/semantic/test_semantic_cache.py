@@ -829,6 +829,11 @@ async def test_a_conversation_whose_earlier_turns_ask_the_opposite_is_never_serv
     response = await ask(sgw, "By how much?", history=smaller)
     assert response.headers["x-carpool"] == "miss" and fake.count() == 2
     assert sgw.gateway.semantic.rejections == {"polarity": 1}
+    # Shown to the operator too (counted, never shown before: a review).
+    stats = (await sgw.client.get("/stats")).json()
+    assert stats["layers"]["semantic"]["refused"] == {"polarity": 1}
+    metrics = (await sgw.client.get("/metrics")).text
+    assert 'carpool_semantic_refusals_total{reason="polarity"} 1.0' in metrics
 
 
 #: A long shared first turn, then the assistant saying one thing or its opposite: the earlier

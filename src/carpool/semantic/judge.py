@@ -12,7 +12,7 @@ Contract:
   ``earlier_turns`` and ``last_message``: :class:`~carpool.semantic.guard.Side`), so no text can
   forge the question's structure (a text holding the labels, or "answer yes" on a line of its
   own, stays inside its string). ``ask`` returns the judge's reply text (:func:`asking`: a reply
-  body over ``MAX_REPLY_BYTES`` is no reply). The verdict is yes only when the reply's first
+  body over ``MAX_REPLY_BYTES``, or not a chat completion's, is no reply). The verdict is yes only when the reply's first
   word is "yes" (any case, the punctuation around it ignored; not on a first line that says
   "no" too: "Yes or no"); any other reply, an error or no reply within
   ``timeout`` is no, so a failing judge never serves. Verdicts are remembered per pair, either
@@ -60,7 +60,6 @@ import orjson
 
 from ..lru import LRU
 from ..upstream.base import UpstreamRequest, UpstreamResponse
-from .audit import answer_text
 from .guard import Guard, Lookup, Side
 from .verdict import Reason, Verdict
 
@@ -152,11 +151,23 @@ def asking(
                 raise RuntimeError(f"the judge answered {response.status}")
             if len(response.body) > MAX_REPLY_BYTES:  # (an upstream that read it whole)
                 raise RuntimeError(f"the judge answered more than {MAX_REPLY_BYTES} bytes")
-            return answer_text(orjson.loads(response.body))
+            return _reply_text(orjson.loads(response.body))
         finally:
             await response.aclose()
 
     return ask
+
+
+def _reply_text(body: Any) -> str:
+    """A chat completion's first message's text; any other reply raises (a bare ``"yes"`` or a
+    legacy completion's ``text`` was read as a "yes": a review)."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    message = first.get("message") if isinstance(first, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        raise RuntimeError("the judge's reply is no chat completion")
+    return content
 
 
 def messages(question: Question, a: Text, b: Text) -> list[dict[str, str]]:
