@@ -827,7 +827,7 @@ def test_a_default_config_keeps_its_keys():
     ``ANSWER_EPOCH``)."""
     answer, digest, semantic = keys_of(Config(), {"x-deployment": "beta"})
     assert (answer, digest) == (
-        "67d98a882467545047cd7148bfdef16b",
+        "90e4ef6ee3bfdc632f8d03683bae1bc9",
         "a99b68b0af065fc6a6d7c8db01fe457e",
     )
     assert semantic == SEMANTIC_SCOPE
@@ -835,7 +835,7 @@ def test_a_default_config_keeps_its_keys():
 
 #: The semantic scope of ``keys_of(Config(), {"x-deployment": "beta"})`` now, and before the
 #: earlier turns were normalised one by one (``view.SEMANTIC_FORMAT``).
-SEMANTIC_SCOPE = "b2fc8174dc8f7cb93eb463e166ebc8c2"
+SEMANTIC_SCOPE = "acbe09c282fe93d8478d3680c3e69bff"
 SEMANTIC_SCOPE_BEFORE = "8c7bca84bcf78c52ed573404e07ee3b7"
 
 
@@ -846,7 +846,7 @@ def test_an_upgrade_shares_no_semantic_entry_with_a_release_that_compared_otherw
     with them the exact cache, stay."""
     answer, _, semantic = keys_of(Config(), {"x-deployment": "beta"})
     assert semantic != SEMANTIC_SCOPE_BEFORE
-    assert answer == "67d98a882467545047cd7148bfdef16b"
+    assert answer == "90e4ef6ee3bfdc632f8d03683bae1bc9"
 
 
 def test_an_upgrade_shares_no_answer_with_a_release_that_keyed_requests_together():
@@ -866,6 +866,18 @@ def test_an_upgrade_shares_no_answer_with_a_release_that_keyed_requests_together
     messages = {**chat(), "max_tokens": 64}
     for headers in ({}, {"origin": "https://app.example"}):
         assert key(messages, headers, path="/v1/messages") != "4c10badcf59bdf33e658d2e0942fd66c"
+
+
+def test_an_upgrade_shares_no_answer_with_the_release_before_epoch_2():
+    """The release before ``ANSWER_EPOCH`` 2 (pinned: its keys of the default chat and of a
+    semantic scope) keyed vLLM's ``return_prompt_text`` by the NFC prompt, a
+    ``prompt_logprobs`` stream as its JSON twin, stream options without a stream as none:
+    during a rolling upgrade its instances' answers would be served to requests this one keys
+    apart (one spelling's rendered prompt to the other)."""
+    answer, digest, semantic = keys_of(Config(), {"x-deployment": "beta"})
+    assert answer != "67d98a882467545047cd7148bfdef16b"
+    assert semantic != "b2fc8174dc8f7cb93eb463e166ebc8c2"
+    assert digest == "a99b68b0af065fc6a6d7c8db01fe457e"  # (retries replayed across)
 
 
 @pytest.mark.parametrize(
@@ -908,3 +920,17 @@ def test_stream_options_without_a_stream_are_in_the_key():
         assert key(chat(stream=False, stream_options=options)) != key(chat(stream=False))
     assert key(chat(stream=True, stream_options={"include_usage": True})) == key(chat())
     assert key(chat(stream_options=None)) == key(chat(stream_options={})) == key(chat())
+    # Never a stream's key, whatever the options (the stream's keyed otherwise came out equal).
+    for options in (
+        {"include_usage": True, "continuous_usage_stats": True},
+        {"include_usage": False, "continuous_usage_stats": True},
+        {"continuous_usage_stats": False},
+    ):
+        for streamed in (
+            options,
+            {k: v for k, v in options.items() if k != "include_usage"},
+            {**options, "include_usage": True},
+        ):
+            assert key(chat(stream_options=options)) != key(
+                chat(stream=True, stream_options=streamed)
+            ), (options, streamed)

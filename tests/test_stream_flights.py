@@ -157,6 +157,28 @@ async def test_stream_flights_asks_a_prompt_logprobs_request_whole(gateway_with,
     assert [c.body.get("stream") for c in fake.calls] == [None, None, None, True]
 
 
+def vllm_refuses_stream_options_without_a_stream(call) -> str | None:
+    """vLLM's own check: ``stream_options`` (but null or {}) without ``stream``."""
+    asked = call.body or {}
+    if asked.get("stream_options") and not asked.get("stream"):
+        return "Stream options can only be defined when `stream=True`."
+    return None
+
+
+async def test_stream_flights_asks_a_request_with_stream_options_and_no_stream_whole(
+    gateway_with, fake
+):
+    # Streamed for others, its stream options rewritten, it got a 200 where its own request
+    # gets the engine's 400 (a review).
+    fake.refuse = vllm_refuses_stream_options_without_a_stream
+    async with gateway_with(**STREAMED) as gw:
+        asked = {**body("options without a stream"), "stream_options": {"include_usage": True}}
+        response = await gw.client.post(CHAT, json=asked)
+        assert response.status_code == 400, response.text
+        assert (await gw.chat("plain")).status_code == 200
+    assert [c.body.get("stream") for c in fake.calls] == [None, True]
+
+
 def chunk(content: str, finish: str | None = None) -> bytes:
     return orjson.dumps(
         {

@@ -5,8 +5,8 @@ Contract (the fingerprint's, :mod:`carpool.fingerprint`: what is in a key, how i
   fields too (a field we do not know might matter). Excluded: ``user``, ``stream``,
   ``stream_options.include_usage`` (but beside ``continuous_usage_stats``), ``metadata``,
   request ids, and all transport headers. Every other stream option is in (vLLM's
-  ``continuous_usage_stats`` puts a usage in every chunk, OpenAI's ``include_obfuscation`` pads
-  them: frames a client that did not ask was replayed).
+  ``continuous_usage_stats`` puts a usage in every chunk beside ``include_usage``, OpenAI's
+  ``include_obfuscation`` pads them: frames a client that did not ask was replayed).
   Without ``"stream": true`` the stream options are in whole (the engines refuse them there;
   null or ``{}`` out).
   Per API (``EXCLUDED_BY_KIND``): Responses keeps ``user``, ``metadata``, ``safety_identifier``
@@ -319,8 +319,10 @@ ORDERED_VERSION = 3
 # answer, call or semantic entry with this one; the request digests keep their version, so
 # an Idempotency-Key's retry is replayed across it (a 422 only for a request keyed otherwise
 # now). Epoch 1: Messages' Origin, exact strings beside NFC input text, ``store`` keyed with
-# its ``metadata``.
-ANSWER_EPOCH = 1
+# its ``metadata``. Epoch 2: vLLM's ``return_prompt_text`` and SGLang's
+# ``return_prompt_token_ids`` keyed by the prompt as sent, ``prompt_logprobs`` with ``stream``,
+# stream options without a stream, ``include_usage`` beside ``continuous_usage_stats``.
+ANSWER_EPOCH = 2
 # Body fields that carry a JSON schema or a tool's definition (OpenAI's response_format and
 # tools, the legacy functions, the Responses API's text.format, vLLM's guided_json and
 # structured_outputs, llama.cpp's and SGLang's json_schema, Ollama's format, TGI's grammar,
@@ -558,9 +560,11 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
         ):
             # Without a stream, the engines refuse stream options (vLLM and OpenAI: a 400): that
             # request is keyed with them, never served a plain request's stored 200. (Null or
-            # {}, vLLM takes: out.)
+            # {}, vLLM takes: out.) Marked unstreamed: a stream's options, keyed otherwise, may
+            # come out the same (a review: a stream was served a JSON request's answer).
             if value:
                 out[name] = _canonical(value)
+                out["stream"] = False
             continue
         if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
             # (include_usage decides only whether the client is sent the usage chunk, which

@@ -390,6 +390,10 @@ class Exchange:
         # as its client asked, whatever the value.
         if body.get("prompt_logprobs") is not None:
             return False
+        # Stream options without a stream the engines refuse (400): asked as the client asked,
+        # not as a stream they would take.
+        if body.get("stream_options"):
+            return False
         return not (request.kind == "completion" and (body.get("best_of") or body.get("echo")))
 
     async def bypass(self, request: Request, route: str) -> Reply:

@@ -58,7 +58,15 @@ def test_numbers_a_hyphenated_word_is_read_in_its_parts():
     # rule, and "a five year old" / "a five-year-old" was refused (a review).
     assert refused("Explain it to a five-year-old", "Explain it to a six-year-old") == "number"
     assert refused("Is a 3-year-old too young?", "Is a 4-year-old too young?") == "number"
+    # Any count before a hyphen, but "zero-" and "one-" before a word ("zero-copy", "one-time")
+    # (a code-quality read: "two-bedroom" / "two bedroom" was refused).
+    assert (
+        refused("Find a two-bedroom flat in Leeds", "Find a three-bedroom flat in Leeds")
+        == "number"
+    )
     for a, b in (
+        ("Find a two-bedroom flat in Leeds", "Find a two bedroom flat in Leeds"),
+        ("It makes a zero-copy slice", "It makes a slice without copying"),
         ("Explain photosynthesis to a five year old", "Explain photosynthesis to a five-year-old"),
         ("Is a 3 year old too young for school?", "Is a 3-year-old too young for school?"),
         ("Is a 30-year mortgage better?", "Is a 30 year mortgage better?"),
@@ -778,6 +786,9 @@ def test_identifiers_two_exchanged_in_place_are_refused_unless_only_joined():
         ("HTTP/HTTPS: which is used here?", "HTTPS/HTTP: which is used here?"),
     ):
         assert passes(identifiers.RULE, a, b), (a, b)
+    # A hyphenated identifier is covered by its parts on the other side.
+    assert passes(identifiers.RULE, "Is a 3-year-old too young?", "Is a 3 year old too young?")
+    assert not passes(identifiers.RULE, "Is a 3-year-old too young?", "Is a 4 year old too young?")
     # A directory's slash is no coordinator (a review: "cp -r my_app/ my_app_backup/" swapped
     # was served, 0.99).
     assert identifiers.RULE.differs("mv build_out/ release_dir/", "mv release_dir/ build_out/")
@@ -1230,6 +1241,10 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
         ("Who did Taylor Swift write about?", "Who wrote about Taylor Swift?"),
         ("Who did Einstein work for?", "Who worked for Einstein?"),
         ("Who got fired by Trump?", "Who fired Trump?"),
+        # (A review: under, from, before, and irregular pasts came/ran, served 0.98-0.99.)
+        ("Who did Plato study under?", "Who studied under Plato?"),
+        ("What did birds evolve from?", "What evolved from birds?"),
+        ("Who did Obama come after?", "Who came after Obama?"),
     ):
         assert refused(a, b) == "order", (a, b)
     for a, b in (
@@ -1240,6 +1255,9 @@ def test_order_a_question_asked_of_the_other_role_is_refused():
         # A verb that holds both ways round asks the same (a review: refused, 0.98-0.99).
         ("Who did Barack Obama marry?", "Who married Barack Obama?"),
         ("Who did Einstein work with?", "Who worked with Einstein?"),
+        # ("against" holds both ways round: a review, 28 of 30 such rewordings refused)
+        ("Who did Lincoln run against in 1860?", "Who ran against Lincoln in 1860?"),
+        ("Who did Federer compete against?", "Who competed against Federer?"),
         ("Which team did Spain face in the final?", "Which team faced Spain in the final?"),
         ("Who did Nixon debate in 1960?", "Who debated Nixon in 1960?"),
         # No act of one on the other: "means", "is" are no verb to exchange around.

@@ -62,6 +62,19 @@ def passes(a: str, b: str) -> bool:
             "The sign at the pool says dekimasen, is swimming allowed?",
         ),
         ("My filipino friend said hindi pwede", "My filipino friend said pwede"),  # (Tagalog)
+        # Turkish's "-m-": one letter, no typo (a review: 9 of 30 such pairs served, 0.98-0.99)
+        (
+            "The sign says biliyorum, what does it mean?",
+            "The sign says bilmiyorum, what does it mean?",
+        ),
+        (
+            "My Turkish friend texted seviyorum, does she love me?",
+            "My Turkish friend texted sevmiyorum, does she love me?",
+        ),
+        # "no" against one other foreign word (a review: passed the rule)
+        ("The sign says ahora se puede fumar", "The sign says no se puede fumar"),
+        # "no" beginning a wider insertion (a code-quality read: the rule read "no" alone)
+        ("he said no se puede, is that a yes?", "he said puede, is that a yes?"),
     ],
 )
 def test_unread_another_languages_negation_in_an_english_text_is_refused(a, b):
@@ -92,10 +105,14 @@ def test_unread_another_languages_negation_in_an_english_text_is_refused(a, b):
         ("no idk how to fix it", "idk how to fix it"),
         ("how to install kubernets on ubuntu", "how to install kubernetes on ubuntu"),
         ("how to use chatgtp for coding", "how to use chatgpt for coding"),
-        # (Turkish's "-m-" is one letter: read as a typo, the verifier's.)
+        # A hyphenated English word is whole ("non" is a negator), a text's first "no" a reply.
+        ("What is a non-profit organization?", "What is a nonprofit organization?"),
+        ("What does non-zero mean?", "What does nonzero mean?"),
+        ("no, numpy isn't installed", "numpy isn't installed"),
+        # A reply's "no", its comma after it (a review: refused mid-text).
         (
-            "The sign says biliyorum, what does it mean?",
-            "The sign says bilmiyorum, what does it mean?",
+            "my friend said no, numpy still fails on windows",
+            "my friend said numpy still fails on windows",
         ),
     ],
 )
@@ -115,7 +132,7 @@ def test_unread_is_symmetric_whichever_prompt_was_stored():
                 assert unread.RULE.differs(a, b) == unread.RULE.differs(b, a), (a, b)
 
 
-def test_unread_reads_a_bounded_window_however_long_the_text():
+def test_unread_reads_a_small_edit_in_a_long_text_and_leaves_a_long_edit_to_the_verifier():
     long = "word " * 2000
     assert passes(long + "the sign says dekimasu", long + "the sign says dekimasen") is False
     assert passes("se puede " * 500, "no se puede " * 500)  # (no small edit: the verifier's)

@@ -249,7 +249,8 @@ class UpstreamConfig(Section):
         "its tokens live, non-streaming ones the assembled answer (an "
         "unfinished one is then a 502, not served). Not for completions "
         "with `best_of` or `echo`, nor for vLLM's `prompt_logprobs` (chat and completions; "
-        "refused on a stream): those go whole. Off: the call streams only when its "
+        "refused on a stream), nor for a request with `stream_options` and no stream (the "
+        "engines refuse it): those go whole. Off: the call streams only when its "
         "leader asked to.",
     )
 

@@ -8,7 +8,8 @@ two words after it: "which team"; "whom" read as "who") and the same after what 
 
 - "who did X kill ..." / "who killed X ...";
 - "who X killed ..." / "who killed X ..." ("Tell me who Cain killed" / "...who killed Cain");
-- "who was killed by X ..." / "who killed X ...";
+- "who did X work for ..." / "who worked for X ..." (a particle after the verb, not "with");
+- "who was killed by X ..." / "who killed X ..." ("got" read as "was");
 - "who was X shot by ..." / "who was shot by X ...", and / "who did X shoot ...".
 
 ``X`` is one to :data:`LONGEST` words, the verb the same in any form ("kill" / "killed", "shoot"
@@ -25,9 +26,11 @@ from .phrases import LONGEST
 _WH = frozenset({"who", "whom", "which", "what"})
 _DO = frozenset({"did", "does", "do"})
 _BE = frozenset({"was", "were", "is", "are", "got", "gets", "get"})  # ("who got fired by")
-#: A verb's particle or preposition left after it: "Who did Einstein work for?" (not "with":
-#: "Who did Einstein work with?" asks who worked with him).
-_PARTICLES = frozenset((w,) for w in "about for to at on out up off after over against".split())
+#: A verb's particle or preposition left after it: "Who did Einstein work for?" (not "with" nor
+#: "against": "Who did Lincoln run against?" asks who ran against him, both ways round).
+_PARTICLES = frozenset(
+    (w,) for w in "about for to at on out up off after before over under from".split()
+)
 #: Forms that name no act of one on the other.
 _NO_ACT = frozenset(
     """be is are was were am been being have has had do does did mean means meant can could
@@ -45,7 +48,9 @@ _PAST = dict(
     took/take taken/take left/leave chose/choose chosen/choose bit/bite bitten/bite
     struck/strike stole/steal stolen/steal threw/throw thrown/throw led/lead fed/feed held/hold
     brought/bring sought/seek hid/hide drew/draw drawn/draw wrote/write written/write sang/sing
-    spoke/speak broke/break forgave/forgive froze/freeze rode/ride drove/drive""".split()
+    spoke/speak broke/break forgave/forgive froze/freeze rode/ride drove/drive came/come ran/run
+    spun/spin began/begin became/become grew/grow knew/know flew/fly swam/swim sat/sit
+    stood/stand wore/wear woke/wake""".split()
 )
 
 
@@ -54,7 +59,9 @@ def _base(word: str) -> str:
 
 
 def _same_verb(verb: str, done: str) -> bool:
-    """``done`` is a form of ``verb`` ("kill" / "killed", "shoot" / "shot", "see" / "saw")."""
+    """``done`` is a form of ``verb`` ("kill" / "killed", "shoot" / "shot", "see" / "saw"), or a
+    verb beginning as it does (three letters: "contact" / "contradicted" too; another verb asks
+    another question anyway)."""
     verb, done = _base(verb), _base(done)
     if verb in _NO_ACT or done in _NO_ACT or verb.startswith(_MUTUAL) or done.startswith(_MUTUAL):
         return False

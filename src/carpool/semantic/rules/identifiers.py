@@ -4,8 +4,8 @@ Models read "S23" and "S24", "python2" and "python3", "/etc/hosts" and "/etc/hos
 same thing. An identifier is a word that is not plain prose:
 
 - letters and digits mixed ("S24", "python3", "v2.1", "5G", "x86_64");
-- ``snake_case``, ``dotted.names`` and ``kebab-case-longer`` words, ``CamelCase`` and
-  ``mixedCase`` ("iPhone", "JavaScript"), ``ALLCAPS`` of two letters or more ("HTTP", "NASA");
+- ``snake_case`` and ``dotted.names`` words, ``CamelCase`` and ``mixedCase`` ("iPhone",
+  "JavaScript"; a ``kebab-case`` word is no identifier: "e-mail", "well-known"), ``ALLCAPS`` of two letters or more ("HTTP", "NASA");
 - e-mail addresses, URLs, file paths ("/usr/bin", "C:\\\\Windows", "./run.sh"), file names with
   an extension ("config.yaml").
 

@@ -153,16 +153,17 @@ _AFTER = re.compile(r"\s*([%$€£¥]|[a-z°][a-z°/_]*(?:\.[a-z])?)")
 
 def _parts(word: str) -> tuple[str, ...]:
     """A hyphenated number read in its parts: "twenty-one", "a five-year-old" is "a five year
-    old", "a 30-year mortgage" (a review: "five-year-old" / "six-year-old" passed, "five year
-    old" / "five-year-old" was refused); not a word that only starts with one ("zero-copy",
-    "one-time": no count of anything, and the other side may say it without a number)."""
+    old", "a two-bedroom flat", "a 30-year mortgage" (a review: "five-year-old" /
+    "six-year-old" passed, "five year old" / "five-year-old" was refused); but "zero-" and
+    "one-" before a word that is no number, date or unit ("zero-copy", "non-zero", "one-time":
+    no count of anything, the other side may say it without a number)."""
     parts = tuple(word.split("-"))
     if len(parts) < 2 or not (parts[0] in SMALL or parts[0] in TENS or parts[0].isdigit()):
         return (word,)
     second = parts[1]
     if second in SMALL or second in TENS or second in DATES or second in UNITS:
         return parts
-    return (word,)
+    return (word,) if parts[0] in ("zero", "one") else parts
 
 
 def _unit_of(flat: str, m: re.Match[str]) -> str | None:

@@ -6,8 +6,10 @@ rule fires when exchanging two words of one side makes it *the other side*, or n
 content words ``x`` and ``y`` found once on each side, in opposite orders, the side with ``x``
 and ``y`` exchanged matches the other word for word but for at most :data:`SLACK` words
 ("How do I convert JSON to YAML?" / "How can I convert YAML to JSON?"), and by two words better
-than before the exchange. Words joined only by one coordinator ("beauty and intelligence",
-"MBA or CA", "Python as well as Java") may change places; "as the landlord or as the tenant's
+than before the exchange; a plural is read as its singular ("How many liters are in a gallon?"
+/ "How many gallons are in a liter?"). Words joined only by one coordinator ("beauty and
+intelligence", "MBA or CA", "Python as well as Java"), or each before the same words ("Western
+culture and Chinese culture"), may change places; "as the landlord or as the tenant's
 guarantor" joins no two words ("as" is no coordinator). A reworded paraphrase that also moves
 words ("the best way to learn Python" / "learn Python the best way") is far from the other side
 after any one exchange, so it passes.

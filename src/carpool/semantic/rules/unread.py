@@ -9,14 +9,16 @@ of them served. Between the words both sides start and end with, at most :data:`
 side (a longer edit is the verifier's), the rule fires when:
 
 - a negator of another language (:data:`NEGATORS`: "pas", "nicht", "inte", "tidak"...) is
-  said more often on one side, or "no" alone is the edit, against nothing or a yes, before a
-  word no English word is that both sides say ("no se puede" / "se puede", "no puedes" / "sí
-  puedes"; not "no wifi on ubuntu" / "wifi not working on ubuntu", a wider edit, nor before
-  a contraction or a chat spelling: "no i don't want it", "no idk how");
+  said more often on one side, or "no" begins the edit (not the text), against nothing, a yes
+  or one other foreign word, before a word no English word is that both sides say ("no se
+  puede" / "se puede", "no puedes" / "sí puedes", "ahora se puede"; not against English words,
+  "no wifi on ubuntu" / "wifi not working on ubuntu", nor before a contraction or a chat
+  spelling, "he said no i don't", "no idk how", nor a reply with its comma, "said no, numpy
+  fails");
 - a word no English word is is written on both sides another way, the two beginning alike,
   neither the other's beginning nor one typo from it ("içilmez" / "içilir", "dekimasu" /
   "dekimasen": an ending that says yes or no; not "postgres" / "postgresql", "kubernets" /
-  "kubernetes", a plural; nor Turkish's "-m-", "biliyorum" / "bilmiyorum", one letter apart).
+  "kubernetes", a plural; but an "m" added is Turkish's negation, "seviyorum" / "sevmiyorum").
 
 An English word is one of the verifier's vocabulary, with an English ending or prefix
 (:func:`carpool.semantic.english.known`), which lacks many product names ("numpy", "kubectl"):
@@ -40,15 +42,25 @@ NEGATORS = frozenset(
     """pas ne non mai tidak bukan ei mish khong không nicht kein keine nie niet geen inte ikke
     ingen ej nunca não nao değil degil yok nem hindi""".split()
 )
-_WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)?")
+#: A word, hyphenated ones whole ("non-profit" is no "non").
+_WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")
 Word = tuple[str, str]  # (as written, lower-cased)
+
+
+#: A comma after a word: a "no" before one is a reply ("said no, numpy fails"), read "no,".
+_COMMA = re.compile(r"\s*,")
 
 
 @memo
 def _words(text: str) -> tuple[Word, ...]:
-    return tuple(
-        (m.group(), m.group().lower().replace("’", "'")) for m in _WORD.finditer(norm(text))
-    )
+    text = norm(text)
+    words = []
+    for m in _WORD.finditer(text):
+        lower = m.group().lower().replace("’", "'")
+        if lower == "no" and _COMMA.match(text, m.end()):
+            lower = "no,"
+        words.append((m.group(), lower))
+    return tuple(words)
 
 
 def _unread(word: Word) -> bool:
@@ -74,12 +86,13 @@ _CHAT = frozenset("dont cant wont isnt doesnt didnt idk im ive ur pls plz thx".s
 def _no_added(
     side: tuple[Word, ...], at: int, edit: tuple[Word, ...], other: frozenset[str]
 ) -> bool:
-    """The edit on ``side`` (at ``at``) is a lower-case "no" alone, the other side's nothing or
-    a yes (``other``: its words, the edit's first), before a word no English word is that both
-    sides say: "no se puede" / "se puede". Not before a contraction or a chat spelling, nor in
-    a wider edit: "no i don't want it", "no wifi on ubuntu" / "wifi not working on ubuntu"."""
-    if len(edit) != 1 or edit[0] != ("no", "no"):
-        return False
+    """The edit on ``side`` (at ``at``, not the text's first word) begins with a lower-case
+    "no", the other side's being nothing or a yes (its words: ``other``), before a word no
+    English word is that both sides say: "he said no se puede" / "he said se puede". Not before
+    a contraction or a chat spelling ("he said no i don't"), nor against other words ("no wifi
+    on ubuntu" / "wifi not working on ubuntu")."""
+    if not edit or edit[0] != ("no", "no") or at == 0:
+        return False  # (a text's first "no" is a reply: "no, numpy isn't installed")
     return any(
         _unread(w) and "'" not in w[1] and w[1] not in _CHAT and w[1] in other
         for w in side[at + 1 : at + 3]
@@ -87,8 +100,14 @@ def _no_added(
 
 
 def _one_edit(a: str, b: str) -> bool:
-    """``a`` and ``b`` one typo apart: a letter added, dropped, changed or two swapped."""
+    """``a`` and ``b`` one typo apart: a letter added, dropped, changed or two swapped; not an
+    "m" added, Turkish's negation ("seviyorum" / "sevmiyorum")."""
     if abs(len(a) - len(b)) > 1:
+        return False
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    if len(longer) > len(shorter) and any(
+        longer[k] == "m" and longer[:k] + longer[k + 1 :] == shorter for k in range(len(longer))
+    ):
         return False
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
@@ -127,8 +146,9 @@ def _differs(a: tuple[Word, ...], b: tuple[Word, ...]) -> bool:
         return False
     if _negators(x) != _negators(y):
         return True
-    yes_a = not x or (len(x) == 1 and x[0][1] in _YES)
-    yes_b = not y or (len(y) == 1 and y[0][1] in _YES)
+    # (Against nothing, a yes, or one other foreign word: "ahora se puede" / "no se puede".)
+    yes_a = not x or (len(x) == 1 and (x[0][1] in _YES or _unread(x[0])))
+    yes_b = not y or (len(y) == 1 and (y[0][1] in _YES or _unread(y[0])))
     said_a, said_b = frozenset(w for _, w in a), frozenset(w for _, w in b)
     if (yes_b and _no_added(a, start, x, said_b)) or (yes_a and _no_added(b, start, y, said_a)):
         return True
