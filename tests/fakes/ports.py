@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import socket
 from pathlib import Path
@@ -18,6 +19,10 @@ def _outgoing_low() -> int:
 # The OS's generator, not the process's: a test that seeds ``random`` (tests/test_request_id.py,
 # in each xdist worker) made every worker draw the same ports, and two gateways started on one.
 _DRAW = random.SystemRandom()
+# The ports this process gave out lately: free when drawn, but not bound until the process
+# started on it binds, so a second draw could give one out again (two instances of one test
+# drew one port; the second could not listen: "Address already in use", a CI run).
+_GIVEN: collections.deque[int] = collections.deque(maxlen=512)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -25,16 +30,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     range for outgoing connections where it is known (a port bound to 0 is taken from that
     range, and one of the suite's many client connections took it before the gateway bound it:
     "Address already in use"), drawn at random (the OS's generator) so that parallel tests
-    seldom draw the same, and checked free."""
+    seldom draw the same, checked free, and not one this process gave out lately."""
     low = _outgoing_low()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(200 if low > 11_024 else 0):
         port = _DRAW.randrange(10_000, low)
+        if port in _GIVEN:
+            continue
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
+            _GIVEN.append(port)
             return port
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

@@ -695,3 +695,21 @@ async def test_typed_stream_controls(fake) -> None:
     upstream.message_events, upstream.fail_status = None, 500
     failed = await client.post("/v1/messages", json=MESSAGES_BODY)
     assert failed.json()["type"] == "error" and failed.json()["error"]["type"] == "api_error"
+
+
+def test_free_port_never_gives_out_a_port_it_gave_out_lately(monkeypatch):
+    """Two instances of one test drew one port (free when drawn, neither bound yet): the second
+    could not listen (a CI run). A draw that repeats a port given out is drawn again."""
+    from . import ports
+
+    class Repeating:
+        def __init__(self) -> None:
+            self.draws = iter([20_001, 20_001, 20_002])
+
+        def randrange(self, low: int, high: int) -> int:
+            return next(self.draws)
+
+    monkeypatch.setattr(ports, "_DRAW", Repeating())
+    monkeypatch.setattr(ports, "_GIVEN", ports.collections.deque(maxlen=512))
+    monkeypatch.setattr(ports, "_outgoing_low", lambda: 32_768)
+    assert [ports.free_port(), ports.free_port()] == [20_001, 20_002]
