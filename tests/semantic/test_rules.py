@@ -75,6 +75,27 @@ def test_numbers_a_hyphenated_word_is_read_in_its_parts():
         assert refused(a, b) is None, (a, b)
 
 
+def test_numbers_a_number_with_letters_glued_to_it_is_read():
+    # "5G" / "4G", "3D" / "2D", "10x" / "100x", "5GB" / "10GB" were read by no rule (the
+    # identifiers rule left them to numbers, which read no number glued to letters: a review,
+    # served at 0.99); and scientific notation.
+    for a, b in (
+        ("Is a 5G phone better?", "Is a 4G phone better?"),
+        ("Is a 3D printer worth it?", "Is a 2D printer worth it?"),
+        ("Is Rust 10x faster than Python?", "Is Rust 100x faster than Python?"),
+        ("Is 5GB enough?", "Is 10GB enough?"),
+        ("What is 1e5?", "What is 1e6?"),
+    ):
+        assert refused(a, b) == "number", (a, b)
+    for a, b in (
+        ("Is 5GB enough?", "Is 5 GB enough?"),
+        ("Is 5kg heavy?", "Is 5 kg heavy?"),
+        ("Is a 4K monitor good?", "Is a 4k monitor good?"),
+        ("Meet at 10am", "Meet at 10 am"),
+    ):
+        assert refused(a, b) is None, (a, b)
+
+
 def test_numbers_chinese_numbers_are_read():
     assert refused("买两个苹果要多少钱？", "买三个苹果要多少钱？") == "number"
     assert refused("二十五加三等于几？", "二十五加四等于几？") == "number"

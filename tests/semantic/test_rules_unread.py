@@ -71,8 +71,9 @@ def passes(a: str, b: str) -> bool:
             "My Turkish friend texted seviyorum, does she love me?",
             "My Turkish friend texted sevmiyorum, does she love me?",
         ),
-        # "no" against one other foreign word (a review: passed the rule)
-        ("The sign says ahora se puede fumar", "The sign says no se puede fumar"),
+        # A text's first "no" before a foreign word both sides say (a review: left alone by the
+        # version that read a first "no" as a reply, which the comma now tells)
+        ("no se puede means what in English?", "se puede means what in English?"),
         # "no" beginning a wider insertion (a code-quality read: the rule read "no" alone)
         ("he said no se puede, is that a yes?", "he said puede, is that a yes?"),
     ],
@@ -108,6 +109,14 @@ def test_unread_another_languages_negation_in_an_english_text_is_refused(a, b):
         # A hyphenated English word is whole ("non" is a negator), a text's first "no" a reply.
         ("What is a non-profit organization?", "What is a nonprofit organization?"),
         ("What does non-zero mean?", "What does nonzero mean?"),
+        # English compounds are English (a review: "cost-effective" / "cost-efficient" refused)
+        (
+            "What is the most cost-effective way to heat a house?",
+            "What is the most cost-efficient way to heat a house?",
+        ),
+        ("Best self-hosted wiki software", "Best self-managed wiki software"),
+        # A typo is no foreign word the "no" could stand against (a review)
+        ("how to install numpy no conda", "how to install numpy witout conda"),
         ("no, numpy isn't installed", "numpy isn't installed"),
         # A reply's "no", its comma after it (a review: refused mid-text).
         (

@@ -35,6 +35,7 @@ _TOKEN = re.compile(
     r"|[\w][\w.'’-]*[\w]|\w"
 )
 _MIXED_DIGITS = re.compile(r"(?=.*\d)(?=.*[^\W\d_])")
+_GLUED = re.compile(r"[\d.,]+([^\W\d_]+)")
 _SNAKE = re.compile(r"^_?[A-Za-z0-9]+(?:_[A-Za-z0-9]+)+$")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+$")
 _CAMEL = re.compile(r"^[a-z]+[A-Z]\w*$|^[A-Z][a-z]+[A-Z]\w*$")
@@ -64,6 +65,8 @@ def _read(text: str) -> tuple[frozenset[str], frozenset[str]]:
     tokens = [m.group().rstrip(".,;:!?") for m in _TOKEN.finditer(norm(text))]
     words = {t.lower() for t in tokens}
     words.update(part for t in list(words) if _DOTTED.match(t) for part in t.split("."))
+    # (A unit glued to its number says it too: "GB" is in "5GB".)
+    words.update(m[1] for t in list(words) if (m := _GLUED.fullmatch(t)))
     return frozenset(t.lower() for t in tokens if _is_identifier(t)), frozenset(words)
 
 

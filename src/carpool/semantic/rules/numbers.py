@@ -39,10 +39,12 @@ from ..verdict import Reason, Rule
 from .text import lower_words, memo, norm
 from .units import AFTER_NUMBER_ONLY, CLOCK, CN_DATES, DATES, TIMES_OF_DAY, UNITS, points
 
-#: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters).
+#: Read on the lower-cased text (no re.I: it would fold the "v" of "v2" into the letters); a
+#: number with letters glued to it too ("5gb", "5g", "3d", "10x": read by no rule, a review),
+#: and one in scientific notation ("1e5").
 _DIGITS = re.compile(
-    r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?|\.\d+)\s*(k|m|bn|st|nd|rd|th|am|pm)?"
-    r"(?![a-z0-9_])"
+    r"(?<![a-uw-z0-9_.])(\d+(?:,\d{3})+|\d+(?:\.\d+)?(?:e[+-]?\d+)?|\.\d+)"
+    r"(?:\s*(k|m|bn|st|nd|rd|th|am|pm)(?![a-z0-9_])|(?![a-z0-9_])|(?=[a-z°]{1,4}(?![a-z0-9_])))"
 )
 SMALL = {
     w: i

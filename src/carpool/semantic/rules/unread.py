@@ -9,12 +9,12 @@ of them served. Between the words both sides start and end with, at most :data:`
 side (a longer edit is the verifier's), the rule fires when:
 
 - a negator of another language (:data:`NEGATORS`: "pas", "nicht", "inte", "tidak"...) is
-  said more often on one side, or "no" begins the edit (not the text), against nothing, a yes
-  or one other foreign word, before a word no English word is that both sides say ("no se
-  puede" / "se puede", "no puedes" / "sí puedes", "ahora se puede"; not against English words,
-  "no wifi on ubuntu" / "wifi not working on ubuntu", nor before a contraction or a chat
-  spelling, "he said no i don't", "no idk how", nor a reply with its comma, "said no, numpy
-  fails");
+  said more often on one side, or "no" begins the edit, against nothing or a yes, before a
+  word no English word is that both sides say ("no se puede" / "se puede", "no puedes" / "sí
+  puedes"; not against other words, "no wifi on ubuntu" / "wifi not working on ubuntu", where
+  "ahora se puede" / "no se puede" is the verifier's too, a typo reading as foreign; nor before
+  a contraction or a chat spelling, "he said no i don't", "no idk how", nor a reply with its
+  comma, "said no, numpy fails");
 - a word no English word is is written on both sides another way, the two beginning alike,
   neither the other's beginning nor one typo from it ("içilmez" / "içilir", "dekimasu" /
   "dekimasen": an ending that says yes or no; not "postgres" / "postgresql", "kubernets" /
@@ -70,7 +70,8 @@ def _unread(word: Word) -> bool:
     from ..english import known
 
     written, lower = word
-    return len(lower) >= 3 and written.islower() and not known(lower)
+    # (A hyphenated word is English when its parts are: "cost-effective", "non-profit".)
+    return len(lower) >= 3 and written.islower() and not all(map(known, lower.split("-")))
 
 
 def _negators(words: tuple[Word, ...]) -> int:
@@ -86,13 +87,13 @@ _CHAT = frozenset("dont cant wont isnt doesnt didnt idk im ive ur pls plz thx".s
 def _no_added(
     side: tuple[Word, ...], at: int, edit: tuple[Word, ...], other: frozenset[str]
 ) -> bool:
-    """The edit on ``side`` (at ``at``, not the text's first word) begins with a lower-case
-    "no", the other side's being nothing or a yes (its words: ``other``), before a word no
+    """The edit on ``side`` (at ``at``) begins with a lower-case "no", the other side's being
+    nothing or a yes (its words: ``other``), before a word no
     English word is that both sides say: "he said no se puede" / "he said se puede". Not before
     a contraction or a chat spelling ("he said no i don't"), nor against other words ("no wifi
     on ubuntu" / "wifi not working on ubuntu")."""
-    if not edit or edit[0] != ("no", "no") or at == 0:
-        return False  # (a text's first "no" is a reply: "no, numpy isn't installed")
+    if not edit or edit[0] != ("no", "no"):
+        return False
     return any(
         _unread(w) and "'" not in w[1] and w[1] not in _CHAT and w[1] in other
         for w in side[at + 1 : at + 3]
@@ -146,9 +147,8 @@ def _differs(a: tuple[Word, ...], b: tuple[Word, ...]) -> bool:
         return False
     if _negators(x) != _negators(y):
         return True
-    # (Against nothing, a yes, or one other foreign word: "ahora se puede" / "no se puede".)
-    yes_a = not x or (len(x) == 1 and (x[0][1] in _YES or _unread(x[0])))
-    yes_b = not y or (len(y) == 1 and (y[0][1] in _YES or _unread(y[0])))
+    yes_a = not x or (len(x) == 1 and x[0][1] in _YES)
+    yes_b = not y or (len(y) == 1 and y[0][1] in _YES)
     said_a, said_b = frozenset(w for _, w in a), frozenset(w for _, w in b)
     if (yes_b and _no_added(a, start, x, said_b)) or (yes_a and _no_added(b, start, y, said_a)):
         return True
