@@ -553,29 +553,28 @@ def canonical_body(kind: str, body: Mapping[str, Any], collapse: bool) -> dict[s
     # space), one spelling was served the other's text back as its own.
     exact = echoes_prompt(body) or body.get("enable_response_messages") not in (None, False)
     for name, value in body.items():
-        if (
-            name == "stream_options"
-            and "stream_options" in excluded
-            and body.get("stream") is not True
-        ):
-            # Without a stream, the engines refuse stream options (vLLM and OpenAI: a 400): that
-            # request is keyed with them, never served a plain request's stored 200. (Null or
-            # {}, vLLM takes: out.) Marked unstreamed: a stream's options, keyed otherwise, may
-            # come out the same (a review: a stream was served a JSON request's answer).
-            if value:
-                out[name] = _canonical(value)
-                out["stream"] = False
-            continue
-        if name == "stream_options" and "stream_options" in excluded and isinstance(value, dict):
-            # (include_usage decides only whether the client is sent the usage chunk, which
-            # the gateway asks for anyway and hides from those that did not: outside the key)
-            options = {k: v for k, v in value.items() if k != "include_usage"}
-            if options.get("continuous_usage_stats") not in (None, False):
-                # (Beside it, include_usage puts a usage in every chunk, which the gateway does
-                # not hide: in the key. A review: the first client's shape was served the next.)
-                options["include_usage"] = value.get("include_usage") is True
-            if options:
-                out[name] = _canonical(options)
+        if name == "stream_options" and "stream_options" in excluded:
+            if body.get("stream") is not True:
+                # Without a stream, the engines refuse stream options (vLLM and OpenAI: a
+                # 400): that request is keyed with them, never served a plain request's stored
+                # 200. (Null or {}, vLLM takes: out.) Marked unstreamed: a stream's options,
+                # keyed otherwise, may come out the same (a review: a stream was served a JSON
+                # request's answer).
+                if value:
+                    out[name] = _canonical(value)
+                    out["stream"] = False
+            elif isinstance(value, dict):
+                # (include_usage decides only whether the client is sent the usage chunk, which
+                # the gateway asks for anyway and hides from those that did not: outside the
+                # key)
+                options = {k: v for k, v in value.items() if k != "include_usage"}
+                if options.get("continuous_usage_stats") not in (None, False):
+                    # (Beside it, include_usage puts a usage in every chunk, which the gateway
+                    # does not hide: in the key. A review: the first client's shape was served
+                    # the next.)
+                    options["include_usage"] = value.get("include_usage") is True
+                if options:
+                    out[name] = _canonical(options)
             continue
         if (name in excluded and not (name == "metadata" and body.get("store") is True)) or (
             name == "metadata" and kind == "messages" and _neutral_metadata(value)

@@ -54,9 +54,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -208,6 +208,16 @@ class Stats:
         }
 
 
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
+
+
+def _by(family: Family, counts: Iterable[tuple[str, float]]) -> Family:
+    """``family`` (of one label) with a sample for each (label value, count) of ``counts``."""
+    for value, n in counts:
+        family.add_metric([value], n)
+    return family
+
+
 def _percentiles(seconds: deque[float]) -> dict[str, float]:
     ordered = sorted(seconds)
     last = len(ordered) - 1
@@ -277,17 +287,17 @@ class _StatsCollector(Collector):
             "not open a connection to their key's owner for.",
             value=s.overloaded(),
         )
-        routing = CounterMetricFamily(
-            "carpool_routing_decisions",
-            "Calls routed to the upstream's replicas (a request's, a judge's, an audit's, the "
-            "upstream embedder's), each "
-            "once, by the decision of its last attempt (prefix_match, least_loaded, "
-            "failover...); pass-through calls and probes are not routed so.",
-            labels=["decision"],
+        yield _by(
+            CounterMetricFamily(
+                "carpool_routing_decisions",
+                "Calls routed to the upstream's replicas (a request's, a judge's, an audit's, the "
+                "upstream embedder's), each "
+                "once, by the decision of its last attempt (prefix_match, least_loaded, "
+                "failover...); pass-through calls and probes are not routed so.",
+                labels=["decision"],
+            ),
+            sorted(s.routing.items()),
         )
-        for decision, n in sorted(s.routing.items()):
-            routing.add_metric([decision], n)
-        yield routing
         yield CounterMetricFamily(
             "carpool_tokens_saved",
             "Prompt + completion tokens not recomputed thanks to hits and coalescing.",
@@ -300,17 +310,17 @@ class _StatsCollector(Collector):
             value=s.saved_without_usage,
         )
         g = self.gauges()
-        redis = CounterMetricFamily(
-            "carpool_redis_errors",
-            "Redis calls that failed, by the layer that made them (store, flights, "
-            "invalidations, semantic, idempotency), each counted once; those Redis refused "
-            "(maxclients, a busy pool, full, a slot moving, a key of another type) are "
-            "counted apart.",
-            labels=["component"],
+        yield _by(
+            CounterMetricFamily(
+                "carpool_redis_errors",
+                "Redis calls that failed, by the layer that made them (store, flights, "
+                "invalidations, semantic, idempotency), each counted once; those Redis refused "
+                "(maxclients, a busy pool, full, a slot moving, a key of another type) are "
+                "counted apart.",
+                labels=["component"],
+            ),
+            g["redis_errors"].items(),
         )
-        for component, n in g["redis_errors"].items():
-            redis.add_metric([component], n)
-        yield redis
         yield CounterMetricFamily(
             "carpool_redis_pool_exhausted",
             "Redis calls that found every "
@@ -393,15 +403,15 @@ class _StatsCollector(Collector):
             shed.add_metric(["lookup"], semantic["lookups_shed"])
             shed.add_metric(["entry"], semantic["entries_shed"])
             yield shed
-            refused = CounterMetricFamily(
-                "carpool_semantic_refusals",
-                "Semantic candidates refused, by the guard's reason: a rule's, the verifier's "
-                "(meaning, context), the judge's, an audit's...",
-                labels=["reason"],
+            yield _by(
+                CounterMetricFamily(
+                    "carpool_semantic_refusals",
+                    "Semantic candidates refused, by the guard's reason: a rule's, the verifier's "
+                    "(meaning, context), the judge's, an audit's...",
+                    labels=["reason"],
+                ),
+                semantic["refused"].items(),
             )
-            for reason, count in semantic["refused"].items():
-                refused.add_metric([reason], count)
-            yield refused
             yield CounterMetricFamily(
                 "carpool_semantic_lookups_joined",
                 "Semantic lookups that joined an identical request's lookup in progress.",
@@ -423,12 +433,12 @@ class _StatsCollector(Collector):
             yield GaugeMetricFamily(
                 name, help_text, value=records[field] if records is not None else None
             )
-        load = GaugeMetricFamily(
-            "carpool_upstream_in_flight", "Calls in flight per replica.", labels=["replica"]
+        yield _by(
+            GaugeMetricFamily(
+                "carpool_upstream_in_flight", "Calls in flight per replica.", labels=["replica"]
+            ),
+            g["replicas"].items(),
         )
-        for replica, n in g["replicas"].items():
-            load.add_metric([replica], n)
-        yield load
         yield from _semantic_audit(g, None if self.every_namespace else METRIC_NAMESPACES)
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 
 from ..verdict import Reason, Rule
-from .text import memo, norm
+from .order import COORDINATORS
+from .text import exchanged, memo, norm
 
 _TOKEN = re.compile(
     # e-mail: a local part of at most 64 characters (RFC 5321), else every letter of "a+a+..."
@@ -98,12 +99,13 @@ def _placed(text: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...
     return tuple(words), tuple(at), tuple(between)
 
 
-#: What joins two identifiers whose order does not matter ("a.py and b.py", "HTTP vs HTTPS",
-#: "python2, python3"); not a space alone ("cp a.txt b.txt": a command's arguments).
+#: What joins two identifiers whose order does not matter (:mod:`.order`'s coordinators, "as
+#: well as", an unspaced "/", a comma: "a.py and b.py", "HTTP vs HTTPS", "python2, python3");
+#: not a space alone ("cp a.txt b.txt": a command's arguments).
 _JOINING = frozenset(
     f"{comma}{word}".strip()
     for comma in ("", ", ")
-    for word in ("", "and", "or", "nor", "&", "/", "vs", "versus", "plus", "as well as")
+    for word in ("", "/", "as well as", *COORDINATORS)
 ) - {""}
 
 
@@ -122,7 +124,7 @@ def _exchanged(a: str, b: str) -> bool:
     x, y = wa[at_a[i]], wa[at_a[j]]
     if wa.count(x) > 1 or wa.count(y) > 1:
         return False
-    if tuple(y if w == x else x if w == y else w for w in wa) != wb:
+    if exchanged(wa, x, y) != wb:
         return False
     return not (j == i + 1 and between_a[i] in _JOINING and between_b[i] in _JOINING)
 

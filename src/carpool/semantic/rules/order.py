@@ -72,7 +72,7 @@ from .phrases import (
     singular,
     symmetric,
 )
-from .text import STOP, lower_words, memo, norm
+from .text import STOP, exchanged, lower_words, memo, norm
 
 SLACK = 2
 #: Words between two words whose order does not matter ("beauty and intelligence"). Not "as":
@@ -159,9 +159,9 @@ def _swapped(a: tuple[str, ...], b: tuple[str, ...], roles: bool = False) -> boo
             # said again in another clause is no role).
             first = list(a)
             first[i], first[j] = y, x
-            everywhere = tuple(y if w == x else x if w == y else w for w in a)
-            for exchanged in (everywhere, tuple(first)):
-                after = _mismatches(exchanged, b, SLACK)
+            everywhere = exchanged(a, x, y)
+            for tried in (everywhere, tuple(first)):
+                after = _mismatches(tried, b, SLACK)
                 if after <= SLACK and after <= before - 2:
                     return True
     return False

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .text import STOP, lower_words, memo, norm
+from .text import STOP, common_ends, exchanged, lower_words, memo, norm
 
 #: Pronouns in their subject form: "me" is "i", "him" is "he"; a role taken by a pronoun.
 PERSONS = frozenset({"i", "you", "he", "she", "we", "they"})
@@ -115,7 +115,7 @@ def pronouns_exchanged(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     pronouns = PERSONS & set(a) & set(b)
     for x in pronouns:
         for y in pronouns:
-            if x < y and tuple(y if w == x else x if w == y else w for w in a) == b:
+            if x < y and exchanged(a, x, y) == b:
                 return True
     return False
 
@@ -132,13 +132,8 @@ def exchanged_with_a_phrase(
     one word or more that ``joined`` does not read as a coordinator."""
     if len(a) != len(b) or a == b:
         return False
-    start = 0
-    while a[start] == b[start]:
-        start += 1
-    end = len(a)
-    while a[end - 1] == b[end - 1]:
-        end -= 1
-    return _at_the_ends(a[start:end], b[start:end], joined)
+    start, end = common_ends(a, b)
+    return _at_the_ends(a[start : len(a) - end], b[start : len(b) - end], joined)
 
 
 def _at_the_ends(

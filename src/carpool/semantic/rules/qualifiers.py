@@ -45,7 +45,7 @@ from collections import Counter
 
 from ..verdict import Reason, Rule
 from .qualifier_words import FAMILIES, Family
-from .text import memo, norm
+from .text import common_ends, memo, norm
 
 #: The most words an edit may change on a side: past this, the verifier reads a rewording.
 MOST = 3
@@ -217,23 +217,11 @@ SPAN = 30
 MARGIN = 3
 
 
-def _common(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int]:
-    """The lengths of the words ``a`` and ``b`` start and end with alike."""
-    n = min(len(a), len(b))
-    start = 0
-    while start < n and a[start] == b[start]:
-        start += 1
-    end = 0
-    while end < n - start and a[-1 - end] == b[-1 - end]:
-        end += 1
-    return start, end
-
-
 @memo
 def _differs(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     if a == b or abs(len(a) - len(b)) > MOST:
         return False
-    start, end = _common(a, b)
+    start, end = common_ends(a, b)
     if max(len(a), len(b)) - start - end > SPAN:
         return False
     # The edit and its margin: the same words around it on both sides.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os.path
 
 from ..verdict import Reason, Rule
-from .text import lower_words, memo
+from .text import lower_words, memo, one_edit
 
 #: Words that frame a question rather than name what it asks about, and generic nouns and
 #: light verbs ("way", "thing", "make") that a rewording swaps freely.
@@ -68,16 +68,7 @@ def _same_word(x: str, y: str) -> bool:
     common = len(os.path.commonprefix((short, long)))
     if len(short) >= 4 and len(long) - common <= 3 and len(short) - common <= 2:
         return True
-    return len(short) >= 5 and _one_edit(short, long, common)
-
-
-def _one_edit(short: str, long: str, i: int) -> bool:
-    """``short`` and ``long`` first differ at ``i``: one edit there makes them the same."""
-    if len(long) == len(short):
-        return short[i + 1 :] == long[i + 1 :] or (
-            short[i + 2 :] == long[i + 2 :] and short[i : i + 2] == long[i : i + 2][::-1]
-        )
-    return len(long) == len(short) + 1 and short[i:] == long[i + 1 :]
+    return len(short) >= 5 and one_edit(short, long)
 
 
 def one_changed(a: tuple[str, ...], b: tuple[str, ...]) -> int | None:

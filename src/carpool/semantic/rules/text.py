@@ -1,4 +1,5 @@
-"""Reading a prompt for the rules: its words (CJK character by character), memoised per text."""
+"""Reading a prompt for the rules: its words (CJK character by character), memoised per text;
+and what several rules compare words with (``common_ends``, ``exchanged``, ``one_edit``)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,34 @@ def plain(word: str) -> str:
 def lower_words(text: str) -> tuple[str, ...]:
     """The words, each :func:`plain` (and without a trailing dot)."""
     return tuple(plain(w.lower().strip(".")) for w in words(text))
+
+
+def common_ends(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, int]:
+    """The lengths of the words ``a`` and ``b`` start and end with alike (the end never
+    reaching into the start)."""
+    n = min(len(a), len(b))
+    start = 0
+    while start < n and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < n - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    return start, end
+
+
+def exchanged(words: tuple[str, ...], x: str, y: str) -> tuple[str, ...]:
+    """``words`` with ``x`` and ``y`` exchanged wherever they stand."""
+    return tuple(y if w == x else x if w == y else w for w in words)
+
+
+def one_edit(x: str, y: str) -> bool:
+    """One letter changed, added or dropped, or two neighbours swapped, makes ``x`` ``y``."""
+    short, long = sorted((x, y), key=len)
+    i = 0
+    while i < len(short) and short[i] == long[i]:
+        i += 1
+    if len(long) == len(short):
+        return short[i + 1 :] == long[i + 1 :] or (
+            short[i + 2 :] == long[i + 2 :] and short[i : i + 2] == long[i : i + 2][::-1]
+        )
+    return len(long) == len(short) + 1 and short[i:] == long[i + 1 :]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 
 from ..verdict import Reason, Rule
-from .text import memo, norm
+from .text import common_ends, memo, norm, one_edit
 
 #: The most words an edit may change on a side (as :mod:`.qualifiers`' edits).
 MOST = 3
@@ -100,24 +100,14 @@ def _no_added(
     )
 
 
-def _one_edit(a: str, b: str) -> bool:
-    """``a`` and ``b`` one typo apart: a letter added, dropped, changed or two swapped; not an
-    "m" added, Turkish's negation ("seviyorum" / "sevmiyorum")."""
-    if abs(len(a) - len(b)) > 1:
+def _typo(a: str, b: str) -> bool:
+    """``a`` and ``b`` one typo apart (:func:`.text.one_edit`), but an "m" added: Turkish's
+    negation ("seviyorum" / "sevmiyorum")."""
+    if not one_edit(a, b):
         return False
     longer, shorter = (a, b) if len(a) > len(b) else (b, a)
-    if len(longer) > len(shorter) and any(
+    return not any(
         longer[k] == "m" and longer[:k] + longer[k + 1 :] == shorter for k in range(len(longer))
-    ):
-        return False
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    return (
-        a[i + 1 :] == b[i + 1 :]
-        or a[i:] == b[i + 1 :]
-        or a[i + 1 :] == b[i:]
-        or (a[i : i + 2] == b[i : i + 2][::-1] and a[i + 2 :] == b[i + 2 :])
     )
 
 
@@ -125,7 +115,7 @@ def _inflected(x: Word, y: Word) -> bool:
     """Two words no English word is, beginning alike, neither the other's beginning (nor its
     plural), nor a typo of it ("kubernets" / "kubernetes", "chatgtp" / "chatgpt")."""
     a, b = x[1], y[1]
-    if a.startswith(b) or b.startswith(a) or _one_edit(a, b) or not (_unread(x) and _unread(y)):
+    if a.startswith(b) or b.startswith(a) or _typo(a, b) or not (_unread(x) and _unread(y)):
         return False
     if a.removesuffix("s") == b.removesuffix("s") or a.removesuffix("es") == b.removesuffix("es"):
         return False
@@ -136,12 +126,7 @@ def _inflected(x: Word, y: Word) -> bool:
 def _differs(a: tuple[Word, ...], b: tuple[Word, ...]) -> bool:
     # The edit: what lies between the words both sides start and end with (read the same from
     # either side: the rule is symmetric).
-    start = 0
-    while start < min(len(a), len(b)) and a[start][1] == b[start][1]:
-        start += 1
-    end = 0
-    while end < min(len(a), len(b)) - start and a[-1 - end][1] == b[-1 - end][1]:
-        end += 1
+    start, end = common_ends(tuple(w for _, w in a), tuple(w for _, w in b))
     x, y = a[start : len(a) - end], b[start : len(b) - end]
     if not (x or y) or len(x) > MOST or len(y) > MOST:
         return False
